@@ -1,0 +1,603 @@
+"""kdamoe: a decoder-only causal LM of KDA (bounded-decay Kimi Delta Attention) and NoPE full-attention mixers,
+dense or Quantile-Balanced MoE FFNs, and Attention Residuals over depth (DESIGN.md is the contract).
+
+Reads top to bottom: config helpers and small modules → mixers (KDA, attention) → decoder layer → model →
+causal-LM head. Shapes: B batch, T new tokens, Tk attended tokens, D hidden, H heads, K/V head dims.
+
+Packed sequences follow transformers' flattening convention: `position_ids` that restart at 0 mark document
+starts. KDA then runs with `cu_seqlens` (no state crosses a document), the short convolutions stop at
+document starts, and attention layers get a block-diagonal causal mask.
+"""
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+
+from .attnres import DepthAttention, ResidualState
+from .configuration_kdamoe import KDAMoEConfig
+from .kda import chunk_kda, recurrent_kda
+from .moe import KDAMoEExperts, KDAMoEMLP, KDAMoERouter, KDAMoESparseMoeBlock
+
+# transformers renamed the cache field of model outputs from `past_key_values` to `cache` (5.2x); support both.
+_CACHE_FIELD = (
+    "cache" if "cache" in {f.name for f in dataclasses.fields(MoeCausalLMOutputWithPast)} else "past_key_values"
+)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Small modules and helpers
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class KDAMoERMSNorm(nn.Module):
+    """RMSNorm over the last dimension, computed in fp32. Also used head-wise (`[..., H, V]` with a `[V]` gain)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x).to(dtype)
+
+
+class KDAMoECache(DynamicCache):
+    """The stock `DynamicCache` (conv + recurrent state for KDA layers, KV for attention layers) that also counts
+    tokens itself, so that `generate` works for configs without any full-attention layer."""
+
+    def __init__(self, config: KDAMoEConfig):
+        super().__init__(config=config)
+        self.num_seen_tokens = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.num_seen_tokens
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+
+@dataclasses.dataclass
+class KDAMoEModelOutputWithPast(MoeModelOutputWithPast):
+    """`MoeModelOutputWithPast` plus the summed auxiliary load-balancing loss of the MoE layers (or None)."""
+
+    aux_loss: torch.FloatTensor | None = None
+
+
+@dataclasses.dataclass
+class PackedDocuments:
+    """Document structure of a packed batch, derived from `position_ids` that restart at 0.
+
+    `doc_ids`: `[B, T]` global document index of each token; `cu_seqlens`: `[N + 1]` offsets of the N documents
+    in the flattened `[1, B*T]` sequence; `last_doc_of_row`: `[B]` the document each row ends in.
+    """
+
+    doc_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    last_doc_of_row: torch.Tensor
+
+    @classmethod
+    def from_position_ids(cls, position_ids: torch.Tensor) -> "PackedDocuments | None":
+        """None when every row holds a single document (the fast, unpacked path)."""
+        starts = position_ids == 0
+        starts[:, 0] = True
+        if int(starts.sum()) == starts.shape[0]:
+            return None
+        flat = starts.flatten()
+        doc_ids = (flat.cumsum(0) - 1).view_as(starts)
+        cu_seqlens = F.pad(flat.nonzero().flatten(), (0, 1), value=flat.numel()).to(torch.int32)
+        return cls(doc_ids=doc_ids, cu_seqlens=cu_seqlens, last_doc_of_row=doc_ids[:, -1])
+
+
+def short_conv(
+    x: torch.Tensor, weight: torch.Tensor, context: torch.Tensor | None, doc_ids: torch.Tensor | None
+) -> torch.Tensor:
+    """Causal depthwise convolution, `x: [B, T, C]`, `weight: [C, W]` -> `[B, T, C]`.
+
+    `context: [B, W-1, C]` holds the inputs before `x` (decoding; zeros otherwise). With `doc_ids: [B, T]`, taps
+    that would reach into an earlier document are dropped, so packed documents do not see each other.
+    """
+    batch, seq_len, channels = x.shape
+    width = weight.shape[1]
+    if context is None:
+        context = x.new_zeros(batch, width - 1, channels)
+    padded = torch.cat([context.to(x.dtype), x], dim=1)  # [B, T + W - 1, C]
+    out = padded[:, width - 1 :] * weight[:, width - 1]
+    for tap in range(width - 1):
+        shift = width - 1 - tap  # this tap reads the token `shift` steps back
+        term = padded[:, tap : tap + seq_len] * weight[:, tap]
+        if doc_ids is not None:
+            same_doc = torch.zeros_like(doc_ids, dtype=torch.bool)
+            same_doc[:, shift:] = doc_ids[:, shift:] == doc_ids[:, :-shift]
+            term = term * same_doc.unsqueeze(-1)
+        out = out + term
+    return out
+
+
+def build_attention_mask(
+    padding_mask: torch.Tensor | None, packed: PackedDocuments | None, seq_len: int, past_len: int, device
+) -> torch.Tensor | None:
+    """Boolean mask `[B, 1, T, Tk]` (True = attend) for the attention layers, or None for plain causal attention.
+
+    `padding_mask: [B, Tk]` is the 2-D attention mask (1 = real token) over past and new tokens. Each query may
+    always attend to itself, so fully padded rows never produce NaN.
+    """
+    if padding_mask is None and packed is None and (past_len == 0 or seq_len == 1):
+        return None
+    kv_len = past_len + seq_len
+    q_pos = torch.arange(past_len, kv_len, device=device)
+    k_pos = torch.arange(kv_len, device=device)
+    allowed = (k_pos[None, :] <= q_pos[:, None]).unsqueeze(0)  # [1, T, Tk]
+    if padding_mask is not None:
+        allowed = allowed & padding_mask[:, None, :].bool()
+    if packed is not None:  # only without a past: the documents of this forward
+        allowed = allowed & (packed.doc_ids[:, :, None] == packed.doc_ids[:, None, :])
+    allowed = allowed | (k_pos[None, :] == q_pos[:, None]).unsqueeze(0)
+    return allowed.unsqueeze(1)
+
+
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference attention. `query: [B, Hq, T, Dh]`, `key/value: [B, Hkv, Tk, Dh]` -> `([B, T, Hq, Dh], probs)`."""
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1)
+    value = value.repeat_interleave(groups, dim=1)
+    scores = (query @ key.transpose(-1, -2)) * scaling
+    if attention_mask is None:
+        t, tk = query.shape[2], key.shape[2]
+        attention_mask = torch.ones(t, tk, dtype=torch.bool, device=query.device).tril(tk - t)
+    scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
+    probs = scores.float().softmax(-1).to(query.dtype)
+    probs = F.dropout(probs, p=dropout, training=module.training)
+    return (probs @ value).transpose(1, 2).contiguous(), probs
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Mixers
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class KDAMoEKimiDeltaAttention(nn.Module):
+    """Kimi Delta Attention with a bounded (or softplus) log-decay gate (DESIGN §2).
+
+    x `[B, T, D]` → q, k, v (linear → causal depthwise conv → SiLU; q, k L2-normalised in the op), β = sigmoid
+    (one per head and token), log-decay g from a low-rank projection → `chunk_kda` / `recurrent_kda` →
+    head-wise RMSNorm × sigmoid(low-rank output gate) → `o_proj`.
+    """
+
+    def __init__(self, config: KDAMoEConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = h = config.kda_num_heads
+        self.head_dim = k = config.kda_head_dim
+        self.conv_size = config.kda_conv_size
+        self.gate = config.kda_gate
+        self.lower_bound = config.kda_gate_lower_bound
+        d = config.hidden_size
+        self.q_proj = nn.Linear(d, h * k, bias=False)
+        self.k_proj = nn.Linear(d, h * k, bias=False)
+        self.v_proj = nn.Linear(d, h * k, bias=False)
+        self.conv_weight = nn.Parameter(torch.empty(3 * h * k, self.conv_size))  # depthwise taps for q | k | v
+        self.beta_proj = nn.Linear(d, h, bias=False)
+        self.decay_down_proj = nn.Linear(d, k, bias=False)  # low-rank gate, rank = head_dim
+        self.decay_up_proj = nn.Linear(k, h * k, bias=False)
+        self.A_log = nn.Parameter(torch.empty(h))
+        self.dt_bias = nn.Parameter(torch.empty(h * k))
+        self.out_gate_down_proj = nn.Linear(d, k, bias=False)
+        self.out_gate_up_proj = nn.Linear(k, h * k, bias=False)
+        self.o_norm = KDAMoERMSNorm(k, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(h * k, d, bias=False)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cache: Cache | None = None,
+        packed: PackedDocuments | None = None,
+        token_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        batch, seq_len, _ = hidden_states.shape
+        h, k = self.num_heads, self.head_dim
+        if token_mask is not None:  # padded tokens leave the state untouched: zero input gives k = v = 0
+            hidden_states = hidden_states * token_mask.unsqueeze(-1).to(hidden_states.dtype)
+        decoding = cache is not None and cache.has_previous_state(self.layer_idx)
+        layer_cache = cache.layers[self.layer_idx] if decoding else None
+
+        qkv = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], -1)
+        context = layer_cache.conv_states[0][..., 1:].transpose(1, 2) if decoding else None
+        doc_ids = packed.doc_ids if packed is not None else None
+        mixed = F.silu(short_conv(qkv, self.conv_weight, context, doc_ids))
+        q, key, v = (t.view(batch, seq_len, h, k) for t in mixed.split(h * k, dim=-1))
+        beta = self.beta_proj(hidden_states).float().sigmoid()  # [B, T, H]
+        g_raw = self.decay_up_proj(self.decay_down_proj(hidden_states)).view(batch, seq_len, h, k)
+
+        kda_kwargs = dict(
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True,
+            A_log=self.A_log,
+            dt_bias=self.dt_bias,
+            gate=self.gate,
+            lower_bound=self.lower_bound if self.gate == "bounded" else None,
+            output_final_state=cache is not None,
+        )
+        if decoding:
+            initial_state = layer_cache.recurrent_states[0]
+            kda = recurrent_kda if seq_len < 64 else chunk_kda
+            o, state = kda(q, key, v, g_raw, beta, initial_state=initial_state, **kda_kwargs)
+        elif packed is not None:  # documents of all rows run as one flattened varlen sequence
+            flat = (t.reshape(1, batch * seq_len, *t.shape[2:]) for t in (q, key, v, g_raw, beta))
+            o, state = chunk_kda(*flat, cu_seqlens=packed.cu_seqlens, **kda_kwargs)
+            o = o.view(batch, seq_len, h, k)
+            state = state[packed.last_doc_of_row] if state is not None else None
+        else:
+            o, state = chunk_kda(q, key, v, g_raw, beta, **kda_kwargs)
+
+        if cache is not None:
+            tail = qkv[:, -self.conv_size :]
+            if packed is not None and not decoding:  # the decode context must not reach into earlier documents
+                tail_docs = packed.doc_ids[:, -self.conv_size :]
+                tail = tail * (tail_docs == packed.last_doc_of_row[:, None]).unsqueeze(-1).to(tail.dtype)
+            cache.update_conv_state(tail.transpose(1, 2), self.layer_idx, conv_kernel_size=self.conv_size)
+            cache.update_recurrent_state(state.float(), self.layer_idx)
+
+        out_gate = self.out_gate_up_proj(self.out_gate_down_proj(hidden_states)).view(batch, seq_len, h, k)
+        o = self.o_norm(o) * out_gate.sigmoid()
+        return self.o_proj(o.reshape(batch, seq_len, h * k))
+
+
+class KDAMoEAttention(nn.Module):
+    """Grouped-query softmax attention without positional encoding (NoPE), with q/k RMSNorm per head."""
+
+    def __init__(self, config: KDAMoEConfig, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = config.num_key_value_heads
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = True
+        d = config.hidden_size
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d, self.num_key_value_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, self.num_key_value_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+        self.q_norm = KDAMoERMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = KDAMoERMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+    ) -> torch.Tensor:
+        batch, seq_len, _ = hidden_states.shape
+        q = self.q_norm(self.q_proj(hidden_states).view(batch, seq_len, -1, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(hidden_states).view(batch, seq_len, -1, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+
+        attention: Callable = eager_attention_forward
+        if self.config._attn_implementation != "eager":
+            attention = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        out, _ = attention(
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            dropout=self.config.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+        )
+        return self.o_proj(out.reshape(batch, seq_len, -1))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Decoder layer
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class KDAMoEDecoderLayer(GradientCheckpointingLayer):
+    """`mixer` (KDA or attention) then `ffn` (dense MLP or MoE), each a PreNorm sublayer whose input comes from the
+    residual stream or from depth attention over block sources (`residual_mode`)."""
+
+    def __init__(self, config: KDAMoEConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.layer_type = config.layer_types[layer_idx]
+        self.mixer_norm = KDAMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if self.layer_type == "linear_attention":
+            self.mixer = KDAMoEKimiDeltaAttention(config, layer_idx)
+        else:
+            self.mixer = KDAMoEAttention(config, layer_idx)
+        self.ffn_norm = KDAMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.is_moe = config.mlp_layer_types[layer_idx] == "moe"
+        self.ffn = KDAMoESparseMoeBlock(config) if self.is_moe else KDAMoEMLP(config, config.intermediate_size)
+
+        mode = config.residual_mode
+        attnres = mode != "standard"
+        self.mixer_attn_res = DepthAttention(config.hidden_size, config.rms_norm_eps) if attnres else None
+        self.ffn_attn_res = DepthAttention(config.hidden_size, config.rms_norm_eps) if attnres else None
+        self.close_block_after_mixer = mode == "full_attnres"
+        self.close_block_after_ffn = mode == "full_attnres" or (
+            mode == "block_attnres" and (layer_idx + 1) % config.attnres_block_layers == 0
+        )
+
+    def forward(
+        self,
+        completed: torch.Tensor | None,
+        partial: torch.Tensor | None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        packed: PackedDocuments | None = None,
+        token_mask: torch.Tensor | None = None,
+    ):
+        """`completed: [S, B, T, D] | None`, `partial: [B, T, D] | None` (see `ResidualState`; passed as tensors so
+        gradient checkpointing sees them). Returns the new pair, the mixer input `[B, T, D]` (this layer's hidden
+        state), the router logits `[B*T, E]` and the auxiliary loss (MoE layers; None otherwise)."""
+        state = ResidualState(completed, partial)
+        mixer_input = state.read(self.mixer_attn_res)
+        x = self.mixer_norm(mixer_input)
+        if self.layer_type == "linear_attention":
+            x = self.mixer(x, cache=cache, packed=packed, token_mask=token_mask)
+        else:
+            x = self.mixer(x, attention_mask=attention_mask, cache=cache)
+        state = state.add(x, close_block=self.close_block_after_mixer)
+
+        x = self.ffn_norm(state.read(self.ffn_attn_res))
+        router_logits = aux_loss = None
+        if self.is_moe:
+            x, router_logits, aux_loss = self.ffn(x, token_mask=token_mask)
+        else:
+            x = self.ffn(x)
+        state = state.add(x, close_block=self.close_block_after_ffn)
+        return state.completed, state.partial, mixer_input, router_logits, aux_loss
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+class KDAMoEPreTrainedModel(PreTrainedModel):
+    config_class = KDAMoEConfig
+    config: KDAMoEConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["KDAMoEDecoderLayer"]
+    _supports_sdpa = True
+    _supports_attention_backend = True
+    _keys_to_ignore_on_load_unexpected = []
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)  # Linear / Embedding: normal(0, initializer_range); RMSNorm: ones
+        std = self.config.initializer_range
+        if isinstance(module, KDAMoEKimiDeltaAttention):
+            init.uniform_(module.conv_weight, -1 / math.sqrt(module.conv_size), 1 / math.sqrt(module.conv_size))
+            if module.gate == "bounded":
+                init.zeros_(module.A_log)
+            else:
+                init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1, 16).log())
+            # dt ~ logUniform[1e-3, 1e-1]; dt_bias = softplus^-1(dt) = dt + log(-expm1(-dt))
+            log_dt = torch.empty_like(module.dt_bias).uniform_(math.log(1e-3), math.log(1e-1))
+            dt = log_dt.exp()
+            init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))
+        elif isinstance(module, DepthAttention):
+            init.zeros_(module.query)
+            init.ones_(module.key_norm_weight)
+        elif isinstance(module, KDAMoERouter):
+            init.normal_(module.weight, mean=0.0, std=std)
+            init.zeros_(module.bias)
+        elif isinstance(module, KDAMoEExperts):
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
+
+
+class KDAMoEModel(KDAMoEPreTrainedModel):
+    """The decoder stack: embeddings → layers → depth aggregation (AttnRes) → final RMSNorm."""
+
+    def __init__(self, config: KDAMoEConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(KDAMoEDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        attnres = config.residual_mode != "standard"
+        self.final_attn_res = DepthAttention(config.hidden_size, config.rms_norm_eps) if attnres else None
+        self.norm = KDAMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_router_logits: bool | None = None,
+        return_dict: bool | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ):
+        cache = cache if cache is not None else past_key_values
+        use_cache = use_cache if use_cache is not None else self.config.use_cache
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        )
+        output_router_logits = (
+            output_router_logits if output_router_logits is not None else self.config.output_router_logits
+        )
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
+        if input_ids is not None:
+            if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size):
+                raise ValueError(
+                    f"`input_ids` holds token ids outside [0, vocab_size={self.vocab_size}): "
+                    f"min {int(input_ids.min())}, max {int(input_ids.max())}"
+                )
+            inputs_embeds = self.embed_tokens(input_ids)
+        if self.gradient_checkpointing and self.training:
+            use_cache = False
+        if use_cache and cache is None:
+            cache = KDAMoECache(self.config)
+        if not use_cache:
+            cache = None
+
+        batch, seq_len, _ = inputs_embeds.shape
+        past_len = cache.get_seq_length() if cache is not None else 0
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError("`attention_mask` must be a 2-D padding mask [batch, past + new tokens].")
+        padding_mask = None
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            padding_mask = attention_mask.bool()
+            if padding_mask.shape != (batch, past_len + seq_len):
+                raise ValueError(
+                    f"`attention_mask` has shape {tuple(padding_mask.shape)}, expected {(batch, past_len + seq_len)}"
+                )
+        token_mask = padding_mask[:, -seq_len:] if padding_mask is not None else None
+        packed = None
+        if position_ids is not None and past_len == 0:
+            packed = PackedDocuments.from_position_ids(position_ids.to(inputs_embeds.device))
+        mask = build_attention_mask(padding_mask, packed, seq_len, past_len, inputs_embeds.device)
+
+        start = ResidualState.start(inputs_embeds, self.config.residual_mode)
+        completed, partial = start.completed, start.partial
+        all_hidden_states = []
+        all_router_logits = []
+        aux_losses = []
+        for layer in self.layers:
+            completed, partial, layer_input, router_logits, aux_loss = layer(
+                completed, partial, attention_mask=mask, cache=cache, packed=packed, token_mask=token_mask
+            )
+            if output_hidden_states:
+                all_hidden_states.append(layer_input)
+            if router_logits is not None and output_router_logits:
+                all_router_logits.append(router_logits)
+            if aux_loss is not None:
+                aux_losses.append(aux_loss)
+        if isinstance(cache, KDAMoECache):
+            cache.num_seen_tokens += seq_len
+
+        hidden_states = self.norm(ResidualState(completed, partial).read(self.final_attn_res))
+        if output_hidden_states:
+            all_hidden_states.append(hidden_states)
+        output = KDAMoEModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            hidden_states=tuple(all_hidden_states) if output_hidden_states else None,
+            router_logits=tuple(all_router_logits) if output_router_logits else None,
+            aux_loss=torch.stack(aux_losses).sum() if aux_losses else None,
+            **{_CACHE_FIELD: cache},
+        )
+        return output if return_dict else output.to_tuple()
+
+
+class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
+    """`KDAMoEModel` with a language-modelling head; `apply_load_balancing()` updates every MoE router bias."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: KDAMoEConfig):
+        super().__init__(config)
+        self.model = KDAMoEModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # The model builds its own `KDAMoECache` (a `DynamicCache` that counts tokens), see `KDAMoEModel.forward`.
+        return False
+
+    @torch.no_grad()
+    def apply_load_balancing(self) -> dict[int, dict]:
+        """Apply the pending router-bias update of every MoE layer (once per optimizer step) and return per-layer
+        statistics `{layer_index: {"loads", "max_vio", "dead_experts", "bias_norm"}}`."""
+        return {
+            i: layer.ffn.apply_balancing() for i, layer in enumerate(self.model.layers) if layer.is_moe
+        }
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_router_logits: bool | None = None,
+        return_dict: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ):
+        """`labels: [B, T]` are shifted inside (position t predicts token t+1); -100 is ignored. With
+        `router_balancing="aux_loss"` in training, the auxiliary loss is added to `loss` and returned as `aux_loss`."""
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache if cache is not None else past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            output_router_logits=output_router_logits,
+            return_dict=True,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+
+        loss = None
+        if labels is not None:
+            if labels.shape != hidden_states.shape[:2]:
+                raise ValueError(f"`labels` has shape {tuple(labels.shape)}, expected {tuple(hidden_states.shape[:2])}")
+            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+            if outputs.aux_loss is not None:
+                loss = loss + outputs.aux_loss.to(loss.device)
+
+        output = MoeCausalLMOutputWithPast(
+            loss=loss,
+            aux_loss=outputs.aux_loss,
+            logits=logits,
+            hidden_states=outputs.hidden_states,
+            router_logits=outputs.router_logits,
+            **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)},
+        )
+        return output if return_dict else output.to_tuple()
+
+
+KDAMoEConfig.register_for_auto_class()
+KDAMoEModel.register_for_auto_class("AutoModel")
+KDAMoEForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+__all__ = ["KDAMoECache", "KDAMoEForCausalLM", "KDAMoEModel", "KDAMoEPreTrainedModel"]

@@ -1,0 +1,240 @@
+"""The causal LM through the public API: config validation, causality, caching, packing, AttnRes identities."""
+
+import pytest
+import torch
+
+import kdamoe
+from conftest import tiny_config
+
+KDA_ONLY = ["linear_attention"] * 4
+
+
+def make_model(**overrides):
+    model = kdamoe.KDAMoEForCausalLM(tiny_config(**overrides)).eval()
+    # Non-zero pseudo-queries and router biases, so that nothing passes by accident of initialisation.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("attn_res.query"):
+                p.normal_(0, 0.5)
+        for layer in model.model.layers:
+            if layer.is_moe:
+                layer.ffn.router.bias.normal_(0, 0.05)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(kda_gate_lower_bound=-6.0), "kda_gate_lower_bound"),
+        (dict(kda_gate_lower_bound=0.0), "kda_gate_lower_bound"),
+        (dict(layer_types=["linear_attention"] * 3), "layer_types"),
+        (dict(mlp_layer_types=["dense"] * 5), "mlp_layer_types"),
+        (dict(layer_types=["linear_attention"] * 3 + ["mamba"]), "layer_types"),
+        (dict(mlp_layer_types=["dense"] * 3 + ["sparse"]), "mlp_layer_types"),
+        (dict(kda_gate="exp"), "kda_gate"),
+        (dict(expert_activation="gelu"), "expert_activation"),
+        (dict(router_balancing="sinkhorn"), "router_balancing"),
+        (dict(residual_mode="highway"), "residual_mode"),
+        (dict(num_experts_per_tok=9), "num_experts_per_tok"),
+        (dict(num_attention_heads=3), "num_attention_heads"),
+        (dict(hidden_size=0), "hidden_size"),
+        (dict(attnres_block_layers=0), "attnres_block_layers"),
+        (dict(pad_token_id=97), "pad_token_id"),
+        (dict(routed_scaling_factor=0.0), "routed_scaling_factor"),
+    ],
+)
+def test_config_errors_name_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        tiny_config(**overrides)
+
+
+def test_softplus_gate_accepts_any_bound():
+    assert tiny_config(kda_gate="softplus", kda_gate_lower_bound=-20.0).kda_gate == "softplus"
+
+
+def test_token_ids_out_of_range_raise():
+    model = make_model()
+    with pytest.raises(ValueError, match="vocab_size"):
+        model(torch.tensor([[1, 2, 97]]))
+    with pytest.raises(ValueError, match="vocab_size"):
+        model(torch.tensor([[-1, 2, 3]]))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Forward
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("residual_mode", ["block_attnres", "full_attnres", "standard"])
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_causality(residual_mode, gate):
+    model = make_model(residual_mode=residual_mode, kda_gate=gate)
+    ids = torch.randint(3, 97, (2, 40))
+    changed = ids.clone()
+    changed[:, 25:] = torch.randint(3, 97, (2, 15))
+    with torch.no_grad():
+        a, b = model(ids).logits, model(changed).logits
+    # Not bit-exact: expert GEMMs over a different number of tokens may round differently; a leak is O(1e-2).
+    torch.testing.assert_close(a[:, :25], b[:, :25], rtol=1e-5, atol=1e-5)
+    assert (a[:, 25:] - b[:, 25:]).abs().max() > 1e-2
+
+
+def test_loss_matches_manual_cross_entropy():
+    model = make_model()
+    ids = torch.randint(3, 97, (2, 16))
+    labels = ids.clone()
+    labels[0, :4] = -100
+    out = model(ids, labels=labels)
+    logits = out.logits[:, :-1].reshape(-1, 97).double()
+    expected = torch.nn.functional.cross_entropy(logits, labels[:, 1:].reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(out.loss.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_outputs_hidden_states_router_logits_and_tuples():
+    model = make_model()
+    ids = torch.randint(3, 97, (2, 12))
+    out = model(ids, output_hidden_states=True, output_router_logits=True, use_cache=False)
+    assert len(out.hidden_states) == model.config.num_hidden_layers + 1
+    assert len(out.router_logits) == 3 and out.router_logits[0].shape == (24, 8)
+    as_tuple = model(ids, return_dict=False, use_cache=False)
+    torch.testing.assert_close(as_tuple[0], out.logits)
+
+
+def test_block_attnres_matches_naive_depth_attention():
+    """An independent loop over sublayers with explicit source lists and softmax weights."""
+    model = make_model(attnres_block_layers=2)
+    ids = torch.randint(3, 97, (2, 10))
+    with torch.no_grad():
+        expected_logits = model(ids, use_cache=False).logits
+
+        def depth(attn_res, sources):
+            v = torch.stack(sources).double()
+            keys = v / v.pow(2).mean(-1, keepdim=True).add(attn_res.eps).sqrt() * attn_res.key_norm_weight.double()
+            w = torch.softmax(keys @ attn_res.query.double(), dim=0)
+            return (w.unsqueeze(-1) * v).sum(0).float()
+
+        blocks, partial = [model.model.embed_tokens(ids)], None
+        for i, layer in enumerate(model.model.layers):
+            for attn_res, norm, sub in ((layer.mixer_attn_res, layer.mixer_norm, layer.mixer),
+                                        (layer.ffn_attn_res, layer.ffn_norm, layer.ffn)):
+                h = depth(attn_res, blocks + ([partial] if partial is not None else []))
+                y = sub(norm(h))
+                y = y[0] if isinstance(y, tuple) else y
+                partial = y if partial is None else partial + y
+            if (i + 1) % 2 == 0:
+                blocks, partial = blocks + [partial], None
+        final = depth(model.model.final_attn_res, blocks + ([partial] if partial is not None else []))
+        logits = model.lm_head(model.model.norm(final))
+    torch.testing.assert_close(expected_logits, logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode, block_layers", [("block_attnres", 1), ("block_attnres", 2), ("block_attnres", 3),
+                                                ("full_attnres", 2)])
+def test_zero_pseudo_queries_equal_standard_residual(mode, block_layers):
+    # PreNorm is scale-invariant up to its eps: a negligible eps makes the identity exact up to rounding.
+    attnres = make_model(residual_mode=mode, attnres_block_layers=block_layers, rms_norm_eps=1e-12)
+    with torch.no_grad():
+        for name, p in attnres.named_parameters():
+            if name.endswith("attn_res.query"):
+                p.zero_()
+    standard = kdamoe.KDAMoEForCausalLM(tiny_config(residual_mode="standard", rms_norm_eps=1e-12)).eval()
+    missing, unexpected = standard.load_state_dict(attnres.state_dict(), strict=False)
+    assert not missing and all("attn_res" in k for k in unexpected)
+    ids = torch.randint(3, 97, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(attnres(ids).logits, standard(ids).logits, rtol=2e-4, atol=2e-4)
+
+
+def test_packed_documents_do_not_see_each_other():
+    model = make_model()
+    doc_a, doc_b = torch.randint(3, 97, (1, 13)), torch.randint(3, 97, (1, 19))
+    packed = torch.cat([doc_a, doc_b], 1)
+    position_ids = torch.cat([torch.arange(13), torch.arange(19)]).unsqueeze(0)
+    with torch.no_grad():
+        out = model(packed, position_ids=position_ids, use_cache=False).logits
+        alone_a = model(doc_a, use_cache=False).logits
+        alone_b = model(doc_b, use_cache=False).logits
+    torch.testing.assert_close(out[:, :13], alone_a, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out[:, 13:], alone_b, rtol=1e-4, atol=1e-5)
+
+
+def test_gradient_checkpointing_gives_same_gradients():
+    model = make_model(router_balancing="none").train()
+    ids = torch.randint(3, 97, (2, 16))
+
+    def grads():
+        model.zero_grad()
+        model(ids, labels=ids).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    plain = grads()
+    model.gradient_checkpointing_enable()
+    checkpointed = grads()
+    assert plain.keys() == checkpointed.keys()
+    for name in plain:
+        torch.testing.assert_close(plain[name], checkpointed[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_bf16_weights_forward():
+    model = make_model().to(torch.bfloat16)
+    out = model(torch.randint(3, 97, (1, 20)), labels=torch.randint(3, 97, (1, 20)))
+    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.loss)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Generation
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layer_types", [None, KDA_ONLY], ids=["hybrid", "kda_only"])
+def test_greedy_with_cache_equals_without(layer_types):
+    overrides = {} if layer_types is None else dict(layer_types=layer_types)
+    model = make_model(**overrides)
+    prompt = torch.randint(3, 97, (2, 7))
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with_cache = model.generate(prompt, use_cache=True, **kwargs)
+    without = model.generate(prompt, use_cache=False, **kwargs)
+    assert with_cache.shape == (2, 19)
+    torch.testing.assert_close(with_cache, without)
+
+
+def test_decode_steps_match_full_forward_logits():
+    model = make_model()
+    ids = torch.randint(3, 97, (2, 70))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        out = model(ids[:, :50], use_cache=True)
+        cache, pieces = out.cache if hasattr(out, "cache") else out.past_key_values, [out.logits]
+        for t in range(50, 70, 5):  # a few tokens at a time
+            step = model(ids[:, t : t + 5], cache=cache, use_cache=True)
+            pieces.append(step.logits)
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("layer_types", [None, KDA_ONLY], ids=["hybrid", "kda_only"])
+def test_sampling_and_beam_search_run(layer_types):
+    overrides = {} if layer_types is None else dict(layer_types=layer_types)
+    model = make_model(**overrides)
+    prompt = torch.randint(3, 97, (2, 5))
+    sampled = model.generate(prompt, max_new_tokens=6, do_sample=True, top_k=20, pad_token_id=0, eos_token_id=None)
+    assert sampled.shape == (2, 11)
+    beams = dict(max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0, eos_token_id=None)
+    torch.testing.assert_close(model.generate(prompt, use_cache=True, **beams),
+                               model.generate(prompt, use_cache=False, **beams))
+
+
+def test_left_padded_batch_generates_like_single_prompts():
+    model = make_model()
+    short, long = torch.randint(3, 97, (1, 4)), torch.randint(3, 97, (1, 9))
+    batch = torch.cat([torch.cat([torch.zeros(1, 5, dtype=torch.long), short], 1), long], 0)
+    mask = torch.ones_like(batch)
+    mask[0, :5] = 0
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+    together = model.generate(batch, attention_mask=mask, **kwargs)
+    torch.testing.assert_close(together[0, 9:], model.generate(short, **kwargs)[0, 4:])
+    torch.testing.assert_close(together[1, 9:], model.generate(long, **kwargs)[0, 9:])
