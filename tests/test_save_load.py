@@ -100,3 +100,7 @@ def test_router_bias_round_trips_in_process(tmp_path):
             assert b.ffn.router.bias.dtype == torch.float32
     loaded_bf16 = kdamoe.KDAMoEForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     assert loaded_bf16.model.embed_tokens.weight.dtype == torch.bfloat16
+    for a, b in zip(model.model.layers, loaded_bf16.model.layers):
+        if a.is_moe:  # the selection bias stays fp32 and exact
+            torch.testing.assert_close(a.ffn.router.bias, b.ffn.router.bias, rtol=0, atol=0)
+    assert model.to(torch.bfloat16).model.layers[1].ffn.router.bias.dtype == torch.float32

@@ -389,7 +389,7 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["KDAMoEDecoderLayer"]
     _supports_sdpa = True
     _supports_attention_backend = True
-    _keys_to_ignore_on_load_unexpected = []
+    _keep_in_fp32_modules_strict = ["router"]  # routing scores and the selection bias are fp32 (DESIGN §3)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

@@ -1,0 +1,450 @@
+"""Sparse MoE of kdamoe: sigmoid router with a selection-only bias, Quantile Balancing (and its baselines),
+SiTU-GLU / SwiGLU experts with a CPU loop path and a grouped-GEMM GPU path (DESIGN §3).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:
+    from .moe_triton import situ_glu_bwd_triton, situ_glu_fwd_triton
+except ImportError:
+    situ_glu_fwd_triton = situ_glu_bwd_triton = None
+
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+# ----------------------------------------------------------------------------------------------- activations
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _situ_glu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    dtype = _compute_dtype(gate)
+    g, u = gate.to(dtype), up.to(dtype)
+    return (4.0 * torch.tanh(g / 4.0) * torch.sigmoid(g) * (25.0 * torch.tanh(u / 25.0))).to(gate.dtype)
+
+
+def _situ_glu_backward(gate: torch.Tensor, up: torch.Tensor, grad_h: torch.Tensor):
+    """Hand-derived gradient: with a = 4 tanh(g/4) σ(g), b = 25 tanh(u/25),
+    da/dg = (1 - tanh²(g/4)) σ(g) + a (1 - σ(g)),  db/du = 1 - tanh²(u/25)."""
+    dtype = _compute_dtype(gate)
+    g, u, dh = gate.to(dtype), up.to(dtype), grad_h.to(dtype)
+    tg, sg, tu = torch.tanh(g / 4.0), torch.sigmoid(g), torch.tanh(u / 25.0)
+    a = 4.0 * tg * sg
+    da = (1.0 - tg * tg) * sg + a * (1.0 - sg)
+    return (dh * 25.0 * tu * da).to(gate.dtype), (dh * a * (1.0 - tu * tu)).to(up.dtype)
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    """`[..., I]` -> 2-D `[M, I]` view with unit column stride (copies only when no such view exists)."""
+    x = x.reshape(-1, x.shape[-1])
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return situ_glu_fwd_triton is not None and x.is_cuda
+
+
+class _SiTUGLU(torch.autograd.Function):
+    """SiTU-GLU saving only its inputs. `up=None` means `gate` is a packed `[..., 2I]` tensor `[gate | up]`, whose
+    gradient is then written as one packed tensor (no concatenation in the backward)."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor | None) -> torch.Tensor:
+        ctx.packed = up is None
+        g, u = gate.chunk(2, dim=-1) if up is None else (gate, up)
+        ctx.save_for_backward(g, u)
+        if not _use_triton(g):
+            return _situ_glu_forward(g, u)
+        out = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+        situ_glu_fwd_triton(_as_rows(g), _as_rows(u), out.view(-1, out.shape[-1]))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_h: torch.Tensor):
+        g, u = ctx.saved_tensors
+        if _use_triton(g):
+            shape = (*g.shape[:-1], 2 * g.shape[-1]) if ctx.packed else g.shape
+            grad_g = torch.empty(shape, dtype=g.dtype, device=g.device)
+            grad_gate, grad_up = grad_g.chunk(2, dim=-1) if ctx.packed else (grad_g, torch.empty_like(u))
+            situ_glu_bwd_triton(_as_rows(g), _as_rows(u), _as_rows(grad_h), grad_gate.view(-1, g.shape[-1]),
+                                grad_up.view(-1, g.shape[-1]))
+            return (grad_g, None) if ctx.packed else (grad_gate, grad_up)
+        grad_gate, grad_up = _situ_glu_backward(g, u, grad_h)
+        return (torch.cat([grad_gate, grad_up], dim=-1), None) if ctx.packed else (grad_gate, grad_up)
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiTU-GLU, a bounded SwiGLU: `h = [4 tanh(g/4) sigmoid(g)] * [25 tanh(u/25)]`, `|h| <= 100`; same shapes."""
+    if gate.shape != up.shape:
+        raise ValueError(f"gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    return _SiTUGLU.apply(gate, up)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: `silu(gate) * up`."""
+    return F.silu(gate) * up
+
+
+def _packed_activation(name: str, gate_up: torch.Tensor) -> torch.Tensor:
+    """Activation of a packed `[..., 2I]` tensor `[gate | up]` -> `[..., I]`."""
+    if name == "situ_glu":
+        return _SiTUGLU.apply(gate_up, None)
+    return swiglu(*gate_up.chunk(2, dim=-1))
+
+
+_ACTIVATIONS = {"situ_glu": situ_glu, "swiglu": swiglu}
+
+
+# ----------------------------------------------------------------------------------------------- experts
+
+
+class KDAMoEMLP(nn.Module):
+    """Gated MLP `down(act(gate(x), up(x)))` (dense layers and shared experts); `[..., D] -> [..., D]`."""
+
+    def __init__(self, config, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = _ACTIVATIONS[config.expert_activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x), self.up_proj(x)))
+
+
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """Rows `offs[g-1]:offs[g]` of `x [M, K]` times `weight[g].T` (`weight [G, N, K]`) -> `[M, N]`.
+
+    Uses `grouped_mm` where torch has a kernel (CUDA bf16; CPU float32 without autograd), else a loop over groups.
+    """
+    no_grad = not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    if _GROUPED_MM is not None and (
+        (x.is_cuda and x.dtype == torch.bfloat16) or (x.device.type == "cpu" and x.dtype == torch.float32 and no_grad)
+    ):
+        return _GROUPED_MM(x, weight.to(x.dtype).transpose(-2, -1), offs=offs)  # cast: fp32 master weights
+    out, start = [], 0
+    for group, end in enumerate(offs.tolist()):
+        out.append(x[start:end] @ weight[group].T)
+        start = end
+    return torch.cat(out)
+
+
+class _PermuteTokens(torch.autograd.Function):
+    """`hidden[token_of]` (`[N, D] -> [N*k, D]`); the backward sums the k copies of each token in a fixed order
+    (through the inverse permutation) instead of with atomic adds."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, token_of: torch.Tensor, inverse: torch.Tensor, top_k: int):
+        ctx.save_for_backward(inverse)
+        ctx.top_k = top_k
+        return hidden.index_select(0, token_of)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        grad = grad.index_select(0, inverse).view(-1, ctx.top_k, grad.shape[-1]).sum(1)
+        return grad, None, None, None
+
+
+class KDAMoEExperts(nn.Module):
+    """Routed experts with 3-D weights `gate_up_proj [E, 2I, D]` (rows `[gate | up]`) and `down_proj [E, D, I]`.
+
+    `forward(hidden [N, D], top_k_index [N, k], top_k_weights [N, k]) -> [N, D]`: on CUDA in bf16 the tokens are
+    sorted by expert and run through grouped GEMMs (`forward_grouped`); elsewhere a loop over the experts that
+    received tokens (`forward_loop`). Both compute the same function.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.hidden_size = config.hidden_size
+        self.intermediate_size = config.moe_intermediate_size
+        self.activation = config.expert_activation
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_size, self.hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_size, self.intermediate_size))
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        dtype = hidden.dtype
+        if hidden.is_cuda and torch.is_autocast_enabled("cuda"):
+            dtype = torch.get_autocast_dtype("cuda")
+        if (
+            hidden.is_cuda and dtype == torch.bfloat16 and _GROUPED_MM is not None
+            and self.hidden_size % 8 == 0 and self.intermediate_size % 8 == 0
+        ):
+            return self.forward_grouped(hidden.to(dtype), top_k_index, top_k_weights)
+        return self.forward_loop(hidden, top_k_index, top_k_weights)
+
+    def _check(self, hidden, top_k_index, top_k_weights) -> None:
+        if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
+            raise ValueError(f"hidden must be [N, {self.hidden_size}], got {tuple(hidden.shape)}")
+        if top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != hidden.shape[0]:
+            raise ValueError(
+                f"top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)} must both "
+                f"be [N={hidden.shape[0]}, k]"
+            )
+
+    def forward_loop(self, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+        """Plain loop over the experts that received tokens."""
+        self._check(hidden, top_k_index, top_k_weights)
+        out = torch.zeros_like(hidden)
+        for expert in torch.unique(top_k_index).tolist():
+            token, slot = torch.nonzero(top_k_index == expert, as_tuple=True)
+            h = _packed_activation(self.activation, hidden[token] @ self.gate_up_proj[expert].T)
+            y = (h @ self.down_proj[expert].T) * top_k_weights[token, slot, None].to(hidden.dtype)
+            out = out.index_add(0, token, y)
+        return out
+
+    def forward_grouped(self, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+        """Tokens sorted by expert, two grouped GEMMs, fixed-order weighted combine (no host synchronisation)."""
+        self._check(hidden, top_k_index, top_k_weights)
+        num_tokens, top_k = top_k_index.shape
+        flat_expert = top_k_index.reshape(-1)
+        order = torch.argsort(flat_expert, stable=True)  # sorted position -> flat (token, slot) position
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=hidden.device)
+        counts.scatter_add_(0, flat_expert, torch.ones_like(flat_expert))
+        offs = counts.cumsum(0).to(torch.int32)
+        x = _PermuteTokens.apply(hidden, order // top_k, inverse, top_k)
+        h = _packed_activation(self.activation, _grouped_linear(x, self.gate_up_proj, offs))
+        y = _grouped_linear(h, self.down_proj, offs).index_select(0, inverse).view(num_tokens, top_k, -1)
+        return torch.bmm(top_k_weights.to(y.dtype).unsqueeze(1), y).squeeze(1)
+
+
+# ----------------------------------------------------------------------------------------------- router + balancing
+
+
+class KDAMoERouter(nn.Module):
+    """Sigmoid router. `weight [E, D]`; persistent fp32 buffer `bias [E]` used for expert selection only.
+
+    `forward(x [N, D]) -> (logits [N, E], scores [N, E], top_k_index [N, k], top_k_weights [N, k], cutoff [N])`,
+    all fp32: `scores = sigmoid(logits)`, experts = top-k of `scores + bias`, weights = the unbiased scores there,
+    normalised to sum 1 and times `routed_scaling_factor`; `cutoff` = the (k+1)-th largest biased score (`None`
+    when k equals the number of experts).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.register_buffer("bias", torch.zeros(config.num_experts, dtype=torch.float32), persistent=True)
+
+    def _apply(self, fn, recurse=True):
+        """Keep the selection bias in fp32 whatever `.to(dtype)` / `.bfloat16()` does to the rest of the model."""
+        bias = self.bias
+        super()._apply(fn, recurse)
+        self.bias = bias.to(device=self.bias.device)
+        return self
+
+    def forward(self, x: torch.Tensor):
+        logits = F.linear(x.float(), self.weight.float())
+        scores = torch.sigmoid(logits)
+        with torch.no_grad():
+            num_experts = scores.shape[-1]
+            values, index = torch.topk(scores + self.bias.float(), min(self.top_k + 1, num_experts), dim=-1)
+            cutoff = values[:, self.top_k] if self.top_k < num_experts else None
+            top_k_index = index[:, : self.top_k]
+        weights = scores.gather(1, top_k_index)
+        weights = weights / weights.sum(-1, keepdim=True) * self.routed_scaling_factor
+        return logits, scores, top_k_index, weights, cutoff
+
+
+def _centre(bias: torch.Tensor) -> torch.Tensor:
+    return bias - bias.mean()
+
+
+def quantile_balance(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Exact Quantile Balancing update for one batch of router scores.
+
+    `scores [N, E]` (sigmoid scores), `bias [E]` (the bias they were routed with). With the cutoff `c_i` = the
+    (k+1)-th largest `scores_i + bias`, the new bias of expert j is the k/E quantile (linear interpolation) of
+    `r_ij = c_i - scores_ij` over the tokens, mean-centred. Returns `[E]` in `bias.dtype`.
+    """
+    if scores.dim() != 2 or bias.shape != (scores.shape[1],):
+        raise ValueError(f"scores must be [N, E] and bias [E], got {tuple(scores.shape)} and {tuple(bias.shape)}")
+    num_experts = scores.shape[1]
+    if not 0 < top_k < num_experts:
+        raise ValueError(f"top_k must lie in [1, {num_experts - 1}], got {top_k}")
+    s = scores.double()
+    cutoff = torch.topk(s + bias.double(), top_k + 1, dim=-1).values[:, top_k]
+    new = torch.quantile(cutoff[:, None] - s, top_k / num_experts, dim=0)
+    return _centre(new).to(bias.dtype)
+
+
+def loss_free_balance(loads: torch.Tensor, bias: torch.Tensor, rate: float) -> torch.Tensor:
+    """Sign-step baseline: `bias_j + rate * sign(mean(loads) - loads_j)`; `loads [E]`, returns `[E]`."""
+    if loads.shape != bias.shape:
+        raise ValueError(f"loads {tuple(loads.shape)} and bias {tuple(bias.shape)} must have the same shape")
+    loads = loads.double()
+    return (bias.double() + rate * torch.sign(loads.mean() - loads)).to(bias.dtype)
+
+
+def max_violation(loads: torch.Tensor) -> float:
+    """`MaxVio = (max_j load_j - mean load) / mean load` for token counts `loads [E]`."""
+    loads = loads.double()
+    if loads.dim() != 1 or loads.numel() == 0 or not loads.sum() > 0:
+        raise ValueError(f"loads must be a non-empty [E] tensor with a positive total, got {loads}")
+    mean = loads.mean()
+    return ((loads.max() - mean) / mean).item()
+
+
+class QuantileHistogram:
+    """Per-expert histograms of values in a fixed range `[low, high]`, for quantiles over large token windows.
+
+    `add(r [N, E])` bins every value (clamped into the range) into `num_bins` equal bins per expert; `counts`
+    (int64 `[E, num_bins]`) is the whole state, so windows add up by summing counts (micro-batches, or an
+    all-reduce across ranks). `quantile(q)` reads the q-quantile per expert by linear interpolation inside the
+    bin where the cumulative count reaches `q * total`; it lies within one bin width of the exact quantile.
+    """
+
+    def __init__(self, num_experts: int, num_bins: int, low: torch.Tensor | float, high: torch.Tensor | float,
+                 device=None):
+        low = torch.as_tensor(low, dtype=torch.float64, device=device)
+        high = torch.as_tensor(high, dtype=torch.float64, device=device)
+        if num_bins < 1:
+            raise ValueError(f"num_bins must be positive, got {num_bins}")
+        self.num_bins = num_bins
+        self.low, self.high = low, high
+        self.width = (high - low) / num_bins
+        self.counts = torch.zeros(num_experts, num_bins, dtype=torch.int64, device=low.device)
+
+    def add(self, r: torch.Tensor, token_mask: torch.Tensor | None = None) -> None:
+        """Accumulate `r [N, E]`, only the rows where `token_mask [N]` (bool) is True when it is given."""
+        if r.dim() != 2 or r.shape[1] != self.counts.shape[0]:
+            raise ValueError(f"r must be [N, {self.counts.shape[0]}], got {tuple(r.shape)}")
+        bins = ((r.double() - self.low) / self.width).floor().clamp_(0, self.num_bins - 1).long()
+        flat = bins + torch.arange(r.shape[1], device=r.device) * self.num_bins
+        ones = torch.ones_like(flat) if token_mask is None else token_mask.long()[:, None].expand_as(flat)
+        self.counts.view(-1).scatter_add_(0, flat.reshape(-1), ones.reshape(-1))
+
+    def quantile(self, q: float) -> torch.Tensor:
+        """q-quantile per expert, `[E]` float64."""
+        if not 0.0 <= q <= 1.0:
+            raise ValueError(f"q must lie in [0, 1], got {q}")
+        counts = self.counts.double()
+        cum = counts.cumsum(1)
+        target = q * cum[:, -1:]
+        b = torch.searchsorted(cum, target).clamp_(max=self.num_bins - 1)  # first bin with cum >= target
+        below = torch.where(b > 0, cum.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(target))
+        inside = counts.gather(1, b)
+        frac = torch.where(inside > 0, (target - below) / inside.clamp(min=1), torch.zeros_like(target))
+        return (self.low + (b + frac) * self.width).squeeze(1)
+
+
+class KDAMoESparseMoeBlock(nn.Module):
+    """Router + routed experts + optional shared experts, with the per-optimizer-step balancing of DESIGN §3.
+
+    `forward(hidden_states [B, T, D], token_mask [B, T] bool or None) -> (out [B, T, D], router_logits [B*T, E]
+    fp32, aux_loss or None)`. In training mode with grad enabled (and outside a backward pass, so the recompute of
+    non-reentrant activation checkpointing is not counted twice), balancing statistics of the real tokens
+    (`token_mask` True) accumulate until `apply_balancing()`.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.balancing = config.router_balancing
+        self.loss_free_update_rate = config.loss_free_update_rate
+        self.router_aux_loss_coef = config.router_aux_loss_coef
+        self.quantile_num_bins = config.quantile_num_bins
+        self.router = KDAMoERouter(config)
+        self.experts = KDAMoEExperts(config)
+        self.shared_experts = (
+            KDAMoEMLP(config, config.moe_intermediate_size * config.num_shared_experts)
+            if config.num_shared_experts > 0 else None
+        )
+        self._loads = None  # int64 [E] token counts of the pending window
+        self._histogram = None  # QuantileHistogram of r = cutoff - score (quantile balancing)
+
+    def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None):
+        if hidden_states.dim() != 3:
+            raise ValueError(f"hidden_states must be [B, T, D], got {tuple(hidden_states.shape)}")
+        if token_mask is not None and token_mask.shape != hidden_states.shape[:2]:
+            raise ValueError(
+                f"token_mask must be [B, T] = {tuple(hidden_states.shape[:2])}, got {tuple(token_mask.shape)}"
+            )
+        x = hidden_states.reshape(-1, hidden_states.shape[-1])
+        logits, scores, top_k_index, top_k_weights, cutoff = self.router(x)
+        mask = None if token_mask is None else token_mask.reshape(-1).to(torch.bool)
+        if self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            self._accumulate(scores, top_k_index, cutoff, mask)
+        out = self.experts(x, top_k_index, top_k_weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        aux_loss = None
+        if self.training and self.balancing == "aux_loss":
+            aux_loss = self._aux_loss(scores, top_k_index, mask)
+        return out.view_as(hidden_states), logits, aux_loss
+
+    def _aux_loss(self, scores, top_k_index, mask) -> torch.Tensor:
+        """Switch-style `coef * E * sum_j f_j P_j`: f_j = share of routed slots, P_j = mean normalised score."""
+        if mask is not None:
+            scores, top_k_index = scores[mask], top_k_index[mask]
+        with torch.no_grad():
+            f = torch.zeros(self.num_experts, device=scores.device)
+            f.scatter_add_(0, top_k_index.reshape(-1), torch.ones(top_k_index.numel(), device=scores.device))
+            f = f / max(top_k_index.numel(), 1)
+        p = (scores / scores.sum(-1, keepdim=True)).mean(0) if scores.shape[0] else scores.sum(0)
+        return self.router_aux_loss_coef * self.num_experts * (f * p).sum()
+
+    @torch.no_grad()
+    def _accumulate(self, scores, top_k_index, cutoff, mask) -> None:
+        """Add the batch to the pending statistics (masks as 0/1 counts: no host synchronisation)."""
+        if self._loads is None:
+            self._loads = torch.zeros(self.num_experts, dtype=torch.int64, device=scores.device)
+        ones = torch.ones_like(top_k_index) if mask is None else mask.long()[:, None].expand_as(top_k_index)
+        self._loads.scatter_add_(0, top_k_index.reshape(-1), ones.reshape(-1))
+        if self.balancing == "quantile" and cutoff is not None:
+            if self._histogram is None:
+                bias = self.router.bias.double()
+                self._histogram = QuantileHistogram(self.num_experts, self.quantile_num_bins, bias.min() - 1.0,
+                                                    bias.max() + 1.0)
+            self._histogram.add(cutoff[:, None] - scores, mask)
+
+    @torch.no_grad()
+    def apply_balancing(self) -> dict:
+        """Apply the pending update (statistics all-reduced first when torch.distributed is initialised, so every
+        rank sets the same bias), reset the statistics and return `{"loads": int64 [E], "max_vio": float,
+        "dead_experts": int, "bias_norm": float}`. Without pending statistics: no change, returns `{}`."""
+        if self._loads is None:
+            return {}
+        loads, histogram = self._loads, self._histogram
+        self._loads = self._histogram = None
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            state = loads if histogram is None else torch.cat([loads, histogram.counts.view(-1)])
+            torch.distributed.all_reduce(state)
+            loads = state[: self.num_experts]
+            if histogram is not None:
+                histogram.counts = state[self.num_experts:].view_as(histogram.counts)
+        bias = self.router.bias
+        if histogram is not None and loads.sum() > 0:
+            bias.copy_(_centre(histogram.quantile(self.top_k / self.num_experts)))
+        elif self.balancing == "loss_free" and loads.sum() > 0:
+            bias.copy_(loss_free_balance(loads, bias.double(), self.loss_free_update_rate))
+        total = loads.sum().item()
+        return {
+            "loads": loads,
+            "max_vio": max_violation(loads) if total > 0 else 0.0,
+            "dead_experts": int((loads == 0).sum().item()),
+            "bias_norm": bias.double().norm().item(),
+        }
+
+
+__all__ = [
+    "KDAMoEExperts",
+    "KDAMoEMLP",
+    "KDAMoERouter",
+    "KDAMoESparseMoeBlock",
+    "QuantileHistogram",
+    "loss_free_balance",
+    "max_violation",
+    "quantile_balance",
+    "situ_glu",
+    "swiglu",
+]

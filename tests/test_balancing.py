@@ -1,0 +1,306 @@
+"""Quantile Balancing (exact update, histogram, block statistics, distributed/micro-batch equivalence), the
+loss-free baseline, and the training hooks."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import TrainerControl, TrainerState, TrainingArguments
+
+from kdamoe.balancing import LoadBalancingCallback, register_load_balancing_hook
+from kdamoe.model.configuration_kdamoe import KDAMoEConfig
+from kdamoe.model.moe import (
+    KDAMoESparseMoeBlock,
+    QuantileHistogram,
+    loss_free_balance,
+    max_violation,
+    quantile_balance,
+)
+
+E, K, N = 16, 2, 2048
+MU = torch.linspace(-2.0, 1.0, E, dtype=torch.float64)  # skewed experts: the last ones win most tokens
+
+
+def skewed_scores(gen, n=N):
+    return torch.sigmoid(MU + 0.7 * torch.randn(n, E, generator=gen, dtype=torch.float64))
+
+
+def loads_of(scores, bias, k=K):
+    index = torch.topk(scores + bias, k, dim=1).indices
+    return torch.bincount(index.reshape(-1), minlength=scores.shape[1])
+
+
+def make_config(**kw):
+    base = dict(num_hidden_layers=1, mlp_layer_types=["dense"], hidden_size=32, num_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=8, num_shared_experts=0, quantile_num_bins=1000)
+    base.update(kw)
+    return KDAMoEConfig(**base)
+
+
+def dyadic_block(config, seed=0):
+    """Block whose router matmul is exact in fp32 (dyadic weights), so any batching gives bit-identical scores."""
+    gen = torch.Generator().manual_seed(seed)
+    block = KDAMoESparseMoeBlock(config)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randint(-8, 9, p.shape, generator=gen) / 64.0)
+        skew = torch.linspace(-1.0, 1.0, config.num_experts) / 2.0  # experts prefer different inputs unequally
+        block.router.weight[:, 0] = skew
+    return block.train()
+
+
+def dyadic_inputs(shape, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(-8, 9, shape, generator=gen) / 8.0
+    x[..., 0] = 1.0  # a constant feature that carries the expert skew
+    return x
+
+
+# ----------------------------------------------------------------------------------------------- exact update
+
+
+def test_quantile_balance_matches_independent_float64():
+    gen = torch.Generator().manual_seed(0)
+    scores = skewed_scores(gen, 300)
+    bias = torch.randn(E, generator=gen, dtype=torch.float64) * 0.1
+    got = quantile_balance(scores, bias, K).numpy()
+    s, b = scores.numpy(), bias.numpy()
+    cutoff = -np.sort(-(s + b), axis=1)[:, K]  # (k+1)-th largest biased score
+    want = np.array([np.quantile(cutoff - s[:, j], K / E) for j in range(E)])
+    np.testing.assert_allclose(got, want - want.mean(), rtol=0, atol=1e-12)
+    assert abs(got.mean()) < 1e-12
+
+
+def test_quantile_balance_rejects_bad_input():
+    with pytest.raises(ValueError, match="top_k"):
+        quantile_balance(torch.rand(5, 4), torch.zeros(4), 4)
+    with pytest.raises(ValueError, match="bias"):
+        quantile_balance(torch.rand(5, 4), torch.zeros(3), 1)
+
+
+def test_repeated_update_on_one_batch_converges():
+    scores = skewed_scores(torch.Generator().manual_seed(1))
+    bias = torch.zeros(E, dtype=torch.float64)
+    assert max_violation(loads_of(scores, bias)) > 3.0
+    vio = []
+    for _ in range(6):
+        bias = quantile_balance(scores, bias, K)
+        vio.append(max_violation(loads_of(scores, bias)))
+    assert 0.3 < vio[0] < 0.8  # one update leaves about 0.5: the cutoffs move with the bias
+    assert min(vio) < 0.05
+
+
+def test_stream_of_fresh_batches_stays_balanced_and_beats_loss_free():
+    gen = torch.Generator().manual_seed(2)
+    bias_qb = torch.zeros(E, dtype=torch.float64)
+    bias_lf = torch.zeros(E, dtype=torch.float64)
+    vio_qb, vio_lf = [], []
+    for _ in range(10):
+        scores = skewed_scores(gen)
+        loads_qb, loads_lf = loads_of(scores, bias_qb), loads_of(scores, bias_lf)
+        vio_qb.append(max_violation(loads_qb))
+        vio_lf.append(max_violation(loads_lf))
+        bias_qb = quantile_balance(scores, bias_qb, K)
+        bias_lf = loss_free_balance(loads_lf, bias_lf, 1e-3)
+    assert vio_qb[0] > 3.0
+    assert max(vio_qb[4:]) < 0.3
+    # a single QB update already beats 10 loss-free steps on the same stream
+    assert vio_qb[1] < vio_lf[-1]
+    assert vio_qb[1] < min(vio_lf)
+
+
+def test_loss_free_and_max_violation_formulas():
+    loads = torch.tensor([10, 30, 15, 5])  # mean 15
+    torch.testing.assert_close(loss_free_balance(loads, torch.zeros(4), 0.5), torch.tensor([0.5, -0.5, 0.0, 0.5]))
+    assert max_violation(loads) == pytest.approx((30 - 15) / 15)
+    with pytest.raises(ValueError):
+        max_violation(torch.zeros(4))
+
+
+# ----------------------------------------------------------------------------------------------- histogram
+
+
+def test_histogram_quantile_within_one_bin_of_exact():
+    gen = torch.Generator().manual_seed(3)
+    r = torch.cat([torch.randn(20000, 5, generator=gen, dtype=torch.float64) * 0.2,
+                   torch.rand(20000, 3, generator=gen, dtype=torch.float64) * 1.5 - 1.0], 1)
+    hist = QuantileHistogram(8, 1000, -2.0, 2.0)
+    for chunk in r.split(7000):
+        hist.add(chunk)
+    assert hist.counts.sum(1).eq(20000).all()
+    width = 4.0 / 1000
+    for q in (0.01, 0.125, 0.5, 0.9):
+        exact = torch.quantile(r, q, dim=0)
+        assert (hist.quantile(q) - exact).abs().max() < width
+    # coarse bins: the error bound scales with the bin width
+    coarse = QuantileHistogram(8, 20, -2.0, 2.0)
+    coarse.add(r)
+    assert (coarse.quantile(0.125) - torch.quantile(r, 0.125, dim=0)).abs().max() < 4.0 / 20
+
+
+# ----------------------------------------------------------------------------------------------- block statistics
+
+
+def test_block_update_matches_exact_quantile_balance():
+    config = make_config()
+    block = dyadic_block(config)
+    x = dyadic_inputs((4, 64, 32), seed=1)
+    bias0 = torch.linspace(-0.05, 0.05, 8)
+    block.router.bias.copy_(bias0)
+    _, logits, _ = block(x)
+    stats = block.apply_balancing()
+    exact = quantile_balance(torch.sigmoid(logits.double()), bias0.double(), 2)
+    width = (bias0.max() - bias0.min() + 2.0).item() / 1000
+    assert (block.router.bias.double() - exact).abs().max() < width
+    assert abs(block.router.bias.double().mean().item()) < 1e-6
+    want_loads = loads_of(torch.sigmoid(logits.double()), bias0.double(), 2)
+    assert torch.equal(stats["loads"], want_loads)
+    assert stats["max_vio"] == pytest.approx(max_violation(want_loads))
+    assert stats["dead_experts"] == int((want_loads == 0).sum())
+    assert stats["bias_norm"] == pytest.approx(block.router.bias.double().norm().item())
+    updated = block.router.bias.clone()
+    assert block.apply_balancing() == {}  # statistics were reset: nothing pending, no change
+    assert torch.equal(block.router.bias, updated)
+
+
+def test_micro_batches_equal_one_big_batch():
+    config = make_config()
+    x = dyadic_inputs((8, 32, 32), seed=2)
+    big, micro = dyadic_block(config), dyadic_block(config)
+    big(x)
+    for part in x.split(2):
+        micro(part)
+    s_big, s_micro = big.apply_balancing(), micro.apply_balancing()
+    assert torch.equal(s_big["loads"], s_micro["loads"])
+    assert torch.equal(big.router.bias, micro.router.bias)
+    assert not torch.equal(big.router.bias, torch.zeros(8))
+
+
+def test_token_mask_excludes_padding():
+    config = make_config()
+    x = dyadic_inputs((2, 40, 32), seed=3)
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[0, 25:] = False
+    masked, real = dyadic_block(config), dyadic_block(config)
+    masked(x, mask)
+    real(x[0:1, :25])
+    real(x[1:2])
+    assert torch.equal(masked.apply_balancing()["loads"], real.apply_balancing()["loads"])
+    assert torch.equal(masked.router.bias, real.router.bias)
+
+
+def test_eval_and_no_grad_forwards_do_not_touch_statistics():
+    block = dyadic_block(make_config())
+    x = dyadic_inputs((2, 16, 32), seed=4)
+    block.eval()
+    block(x)
+    block.train()
+    with torch.no_grad():
+        block(x)
+    assert block.apply_balancing() == {}
+    assert torch.equal(block.router.bias, torch.zeros(8))
+    block(x)  # a training forward with grad does accumulate
+    assert block.apply_balancing()["loads"].sum() == 2 * 16 * 2
+
+
+def test_non_reentrant_checkpointing_counts_tokens_once():
+    from torch.utils.checkpoint import checkpoint
+
+    block = dyadic_block(make_config())
+    x = dyadic_inputs((2, 16, 32), seed=5).requires_grad_()
+    out = checkpoint(lambda t: block(t)[0], x, use_reentrant=False)
+    out.sum().backward()
+    assert block.apply_balancing()["loads"].sum() == 2 * 16 * 2
+
+
+@pytest.mark.parametrize("mode", ["loss_free", "aux_loss", "none"])
+def test_baseline_modes(mode):
+    config = make_config(router_balancing=mode, loss_free_update_rate=0.01)
+    block = dyadic_block(config)
+    x = dyadic_inputs((2, 50, 32), seed=6)
+    _, logits, _ = block(x)
+    stats = block.apply_balancing()
+    loads = loads_of(torch.sigmoid(logits.double()), torch.zeros(8, dtype=torch.float64), 2)
+    assert torch.equal(stats["loads"], loads)
+    want = loss_free_balance(loads, torch.zeros(8), 0.01) if mode == "loss_free" else torch.zeros(8)
+    torch.testing.assert_close(block.router.bias, want)
+
+
+# ----------------------------------------------------------------------------------------------- distributed
+
+
+def _rank_worker(rank, world, init_file, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        block = dyadic_block(make_config())
+        x = dyadic_inputs((4, 32, 32), seed=7)
+        block(x.chunk(world)[rank])
+        stats = block.apply_balancing()
+        torch.save({"bias": block.router.bias, "loads": stats["loads"]}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_equal_one_process(tmp_path):
+    mp.spawn(_rank_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    single = dyadic_block(make_config())
+    single(dyadic_inputs((4, 32, 32), seed=7))
+    want = single.apply_balancing()
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert torch.equal(got["loads"], want["loads"])
+        assert torch.equal(got["bias"], single.router.bias)
+
+
+# ----------------------------------------------------------------------------------------------- training hooks
+
+
+class TinyMoEModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([dyadic_block(make_config(), seed=i) for i in range(2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)[0]
+        return x
+
+    def apply_load_balancing(self):
+        return {i: block.apply_balancing() for i, block in enumerate(self.blocks)}
+
+
+def test_optimizer_hook_applies_once_per_step():
+    model = TinyMoEModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    handle = register_load_balancing_hook(opt, model)
+    x = dyadic_inputs((2, 16, 32), seed=8)
+    for _ in range(3):  # three micro-batches of gradient accumulation, one optimizer step
+        model(x).sum().backward()
+    opt.step()
+    assert all(block._loads is None for block in model.blocks)
+    assert not torch.equal(model.blocks[0].router.bias, torch.zeros(8))
+    handle.remove()
+    model(x).sum().backward()
+    opt.step()
+    assert model.blocks[0]._loads is not None
+    with pytest.raises(ValueError):
+        register_load_balancing_hook(opt, torch.nn.Linear(2, 2))
+
+
+def test_trainer_callback_applies_and_logs(tmp_path):
+    model = TinyMoEModel()
+    model(dyadic_inputs((2, 16, 32), seed=9)).sum().backward()
+    callback = LoadBalancingCallback()
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[])
+    state, control = TrainerState(), TrainerControl()
+    state.log_history.append({"loss": 1.0, "step": 1})
+    callback.on_step_end(args, state, control, model=model)
+    assert set(callback.last_stats) == {0, 1} and all(block._loads is None for block in model.blocks)
+    logs = {"loss": 1.0}
+    callback.on_log(args, state, control, logs=logs)
+    want = max(s["max_vio"] for s in callback.last_stats.values())
+    assert logs["moe/max_vio_max"] == pytest.approx(want)
+    assert state.log_history[-1]["moe/max_vio_max"] == pytest.approx(want)

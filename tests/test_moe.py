@@ -1,0 +1,282 @@
+"""MoE building blocks: SiTU-GLU, experts (loop vs grouped), router, sparse block outputs and aux loss."""
+
+import copy
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kdamoe.model.configuration_kdamoe import KDAMoEConfig
+from kdamoe.model import moe
+from kdamoe.model.moe import (
+    KDAMoEExperts,
+    KDAMoEMLP,
+    KDAMoERouter,
+    KDAMoESparseMoeBlock,
+    situ_glu,
+    swiglu,
+)
+
+
+def make_config(**kw):
+    base = dict(num_hidden_layers=1, mlp_layer_types=["dense"], hidden_size=16, num_experts=6,
+                num_experts_per_tok=2, moe_intermediate_size=8, num_shared_experts=1)
+    base.update(kw)
+    return KDAMoEConfig(**base)
+
+
+def init_(module, std=0.3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+    return module
+
+
+def situ_formula(g, u):
+    return 4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25)
+
+
+# ----------------------------------------------------------------------------------------------- SiTU-GLU
+
+
+def test_situ_glu_matches_formula_and_is_bounded():
+    g = torch.randn(64, 32, dtype=torch.float64) * 10
+    u = torch.randn(64, 32, dtype=torch.float64) * 50
+    torch.testing.assert_close(situ_glu(g, u), situ_formula(g, u), rtol=1e-12, atol=1e-12)
+    big = torch.tensor([1e4, -1e4, 300.0, -300.0, 1e30], dtype=torch.float64)
+    h = situ_glu(big[:, None].expand(5, 5), big[None, :].expand(5, 5))
+    assert torch.isfinite(h).all() and h.abs().max() <= 100.0
+    assert h.abs().max() > 99.0  # the bound is reached, not just respected
+    small = torch.randn(100, dtype=torch.float64) * 1e-2  # near zero it is SwiGLU
+    torch.testing.assert_close(situ_glu(small, small), swiglu(small, small), rtol=1e-3, atol=1e-9)
+
+
+def test_situ_glu_rejects_shape_mismatch():
+    with pytest.raises(ValueError, match="same shape"):
+        situ_glu(torch.zeros(3, 4), torch.zeros(3, 5))
+
+
+def test_situ_glu_gradcheck_float64():
+    g = (torch.randn(7, 5, dtype=torch.float64) * 6).requires_grad_()
+    u = (torch.randn(7, 5, dtype=torch.float64) * 40).requires_grad_()
+    assert torch.autograd.gradcheck(situ_glu, (g, u))
+    # the hand backward equals autograd through the formula
+    dh = torch.randn(7, 5, dtype=torch.float64)
+    got = torch.autograd.grad(situ_glu(g, u), (g, u), dh)
+    want = torch.autograd.grad(situ_formula(g, u), (g, u), dh)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    # packed [gate | up] variant used by the experts
+    gu = torch.cat([g, u], -1).detach().requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: moe._packed_activation("situ_glu", x), (gu,))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_triton_kernels_in_interpreter():
+    """The fused kernels (run by the Triton interpreter on CPU) match the torch forward and backward."""
+    code = """
+import torch
+from kdamoe.model.moe_triton import situ_glu_fwd_triton, situ_glu_bwd_triton
+from kdamoe.model.moe import _situ_glu_forward, _situ_glu_backward
+torch.manual_seed(0)
+gu = torch.randn(37, 2 * 40) * 8
+g, u = gu[:, :40], gu[:, 40:]
+h = torch.empty(37, 40); situ_glu_fwd_triton(g, u, h)
+torch.testing.assert_close(h, _situ_glu_forward(g, u), rtol=1e-5, atol=1e-5)
+dh = torch.randn(37, 40); d = torch.empty(37, 80)
+situ_glu_bwd_triton(g, u, dh, d[:, :40], d[:, 40:])
+dg, du = _situ_glu_backward(g, u, dh)
+torch.testing.assert_close(d[:, :40], dg, rtol=1e-5, atol=1e-5)
+torch.testing.assert_close(d[:, 40:], du, rtol=1e-5, atol=1e-5)
+print("OK")
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("activation", ["situ_glu", "swiglu"])
+def test_mlp_matches_formula(activation):
+    config = make_config(expert_activation=activation)
+    mlp = init_(KDAMoEMLP(config, 12)).double()
+    x = torch.randn(3, 4, 16, dtype=torch.float64)
+    g, u = x @ mlp.gate_proj.weight.T, x @ mlp.up_proj.weight.T
+    h = situ_formula(g, u) if activation == "situ_glu" else F.silu(g) * u
+    torch.testing.assert_close(mlp(x), h @ mlp.down_proj.weight.T)
+
+
+# ----------------------------------------------------------------------------------------------- experts
+
+
+def naive_experts(experts, x, index, weights):
+    """Token-by-token reference."""
+    out = torch.zeros_like(x)
+    inter = experts.intermediate_size
+    for t in range(x.shape[0]):
+        for slot in range(index.shape[1]):
+            e = index[t, slot].item()
+            gu = experts.gate_up_proj[e] @ x[t]
+            g, u = gu[:inter], gu[inter:]
+            h = situ_formula(g, u) if experts.activation == "situ_glu" else F.silu(g) * u
+            out[t] += weights[t, slot] * (experts.down_proj[e] @ h)
+    return out
+
+
+def routing(n, num_experts, k, seed=0, skip=()):
+    g = torch.Generator().manual_seed(seed)
+    allowed = torch.tensor([e for e in range(num_experts) if e not in skip])
+    index = torch.stack([allowed[torch.randperm(len(allowed), generator=g)[:k]] for _ in range(n)])
+    return index, torch.rand(n, k, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("activation", ["situ_glu", "swiglu"])
+def test_loop_experts_match_naive_reference(activation):
+    experts = init_(KDAMoEExperts(make_config(expert_activation=activation))).double()
+    x = torch.randn(9, 16, dtype=torch.float64)
+    index, weights = routing(9, 6, 2, skip=(4,))  # expert 4 receives no token
+    torch.testing.assert_close(experts.forward_loop(x, index, weights), naive_experts(experts, x, index, weights))
+
+
+@pytest.mark.parametrize("activation", ["situ_glu", "swiglu"])
+def test_grouped_path_equals_loop_path_with_gradients(activation):
+    """float64: the grouped path runs its torch fallback for grouped_mm; outputs and all gradients agree."""
+    experts = init_(KDAMoEExperts(make_config(expert_activation=activation))).double()
+    x = torch.randn(11, 16, dtype=torch.float64)
+    index, weights = routing(11, 6, 2, seed=1, skip=(0, 3))
+    results = []
+    for fn in (experts.forward_loop, experts.forward_grouped):
+        xx, ww = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = fn(xx, index, ww)
+        grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum(),
+                                    (xx, ww, experts.gate_up_proj, experts.down_proj))
+        results.append((out, *grads))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.skipif(moe._GROUPED_MM is None, reason="torch has no grouped_mm")
+def test_grouped_path_with_torch_grouped_mm_on_cpu():
+    """float32 without autograd: torch 2.13 has a CPU grouped_mm kernel; the grouped path uses it directly."""
+    experts = init_(KDAMoEExperts(make_config(num_experts=5))).float()
+    x = torch.randn(13, 16)
+    index, weights = routing(13, 5, 2, seed=2, skip=(2,))
+    calls = []
+    real = moe._GROUPED_MM
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    moe._GROUPED_MM = spy
+    try:
+        with torch.no_grad():
+            got = experts.forward_grouped(x, index, weights.float())
+    finally:
+        moe._GROUPED_MM = real
+    assert len(calls) == 2
+    want = naive_experts(experts.double(), x.double(), index, weights).float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_experts_reject_bad_shapes():
+    experts = KDAMoEExperts(make_config())
+    with pytest.raises(ValueError, match="top_k_index"):
+        experts.forward_loop(torch.zeros(4, 16), torch.zeros(4, 2, dtype=torch.long), torch.zeros(4, 3))
+
+
+# ----------------------------------------------------------------------------------------------- router
+
+
+def test_router_weights_and_biased_selection():
+    config = make_config(num_experts=8, num_experts_per_tok=3, routed_scaling_factor=2.5)
+    router = init_(KDAMoERouter(config))
+    x = torch.randn(50, 16)
+    with torch.no_grad():
+        router.bias.copy_(torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 5.0]))  # expert 7 always selected
+    logits, scores, index, weights, cutoff = router(x)
+    ref_scores = torch.sigmoid(x.double() @ router.weight.double().T)
+    torch.testing.assert_close(scores.double(), ref_scores, rtol=1e-6, atol=1e-6)
+    assert (index == 7).any(-1).all()
+    torch.testing.assert_close(weights.sum(-1), torch.full((50,), 2.5))
+    # weights are the unbiased scores at the selected experts, normalised, times the scale
+    picked = ref_scores.gather(1, index)
+    torch.testing.assert_close(weights.double(), picked / picked.sum(-1, keepdim=True) * 2.5, rtol=1e-5, atol=1e-6)
+    # selection = top-k of the biased scores; cutoff = (k+1)-th largest biased score
+    biased = ref_scores + router.bias.double()
+    order = biased.argsort(-1, descending=True)
+    assert torch.equal(index.sort(-1).values, order[:, :3].sort(-1).values)
+    torch.testing.assert_close(cutoff.double(), biased.gather(1, order[:, 3:4]).squeeze(1), rtol=1e-6, atol=1e-6)
+
+
+def test_router_bias_is_a_persistent_fp32_buffer():
+    router = KDAMoERouter(make_config())
+    assert "bias" in router.state_dict() and router.bias.dtype == torch.float32
+    assert "bias" not in dict(router.named_parameters())
+
+
+# ----------------------------------------------------------------------------------------------- block
+
+
+@pytest.mark.parametrize("num_shared", [0, 2])
+def test_block_output_equals_router_plus_experts_plus_shared(num_shared):
+    config = make_config(num_shared_experts=num_shared)
+    block = init_(KDAMoESparseMoeBlock(config)).double().eval()
+    assert (block.shared_experts is None) == (num_shared == 0)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    out, logits, aux = block(x)
+    flat = x.reshape(-1, 16)
+    ref_logits = flat @ block.router.weight.T
+    s = torch.sigmoid(ref_logits)
+    index = s.topk(2, -1).indices
+    w = s.gather(1, index)
+    ref = naive_experts(block.experts, flat, index, w / w.sum(-1, keepdim=True))
+    if num_shared:
+        ref = ref + block.shared_experts(flat)
+    assert aux is None and logits.dtype == torch.float32 and logits.shape == (10, 6)
+    torch.testing.assert_close(logits.double(), ref_logits, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, ref.view(2, 5, 16), rtol=1e-5, atol=1e-6)  # routing weights are fp32
+
+
+def test_aux_loss_switch_style():
+    config = make_config(router_balancing="aux_loss", router_aux_loss_coef=0.1, num_experts=4)
+    block = init_(KDAMoESparseMoeBlock(config)).train()
+    x = torch.randn(2, 6, 16)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+    out, logits, aux = block(x, mask)
+    s = torch.sigmoid(logits.double())[mask.reshape(-1)]
+    index = s.topk(2, -1).indices
+    f = torch.stack([(index == j).sum() for j in range(4)]).double() / index.numel()
+    p = (s / s.sum(-1, keepdim=True)).mean(0)
+    torch.testing.assert_close(aux.double(), 0.1 * 4 * (f * p).sum(), rtol=1e-5, atol=1e-7)
+    aux.backward()
+    assert block.router.weight.grad.abs().sum() > 0
+    block.eval()
+    assert block(x)[2] is None
+    assert KDAMoESparseMoeBlock(make_config()).train()(x)[2] is None  # only with router_balancing="aux_loss"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("activation", ["situ_glu", "swiglu"])
+def test_cuda_grouped_bf16_matches_float64(activation):
+    """GPU path (grouped_mm, Triton SiTU-GLU) vs the float64 loop: outputs and input gradients."""
+    config = make_config(hidden_size=256, moe_intermediate_size=128, num_experts=16, num_experts_per_tok=4,
+                         expert_activation=activation)
+    experts = init_(KDAMoEExperts(config), std=0.05)
+    index, weights = routing(1000, 16, 4, skip=(5,))
+    x = torch.randn(1000, 256, dtype=torch.float64)
+    dy = torch.randn(1000, 256, dtype=torch.float64)
+    results = []
+    for dtype, device in ((torch.bfloat16, "cuda"), (torch.float64, "cpu")):
+        e = copy.deepcopy(experts).to(device, dtype)
+        xx = x.to(device, dtype).requires_grad_()
+        out = e(xx, index.to(device), weights.to(device, torch.float32 if dtype == torch.bfloat16 else dtype))
+        out.backward(dy.to(device, dtype))
+        results.append((out.double().cpu(), xx.grad.double().cpu(), e.gate_up_proj.grad.double().cpu()))
+    for got, want in zip(*results):
+        assert ((got - want).norm() / want.norm()).item() < 2e-2
