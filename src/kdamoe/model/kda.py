@@ -1,0 +1,434 @@
+"""Kimi Delta Attention (KDA) ops: torch reference paths and backend dispatch.
+
+Layout (identical to flash-linear-attention's): ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]``,
+``g: [B, T, H, K]`` (log-decay, ``g <= 0``), ``beta: [B, T, H]``, recurrent state ``[N, H, K, V]`` in fp32,
+where ``N = B`` or, with ``cu_seqlens``, the number of packed documents (then ``B`` must be 1).
+
+Recurrence, per head and token ``t`` (``α_t = exp(g_t)`` per key channel)::
+
+    S ← Diag(α_t) S
+    S ← S + β_t k_t (v_t − Sᵀ k_t)ᵀ
+    o_t = Sᵀ q_t · scale                      (scale defaults to K ** -0.5)
+
+Chunked form (``chunk_kda``, torch backend). Write the update as ``S_t = D_t S_{t-1} + k_t u_tᵀ`` with the
+"new value" ``u_t = β_t (v_t − S_{t-1}ᵀ D_t k_t)``. Inside a chunk of C = 64 tokens entering with state
+``S0``, let ``Γ_i`` be the within-chunk cumulative sum of ``g`` and ``E_ij = exp(Γ_i − Γ_j)`` (per channel,
+``j <= i``, so every factor is ``<= 1``). Unrolling gives
+
+    (I + A_kk) U = Diag(β) (V − (K ⊙ e^Γ) S0),   A_kk[i, j] = β_i Σ_c k_ic k_jc E_ijc  (j < i)
+    O            = scale · ((Q ⊙ e^Γ) S0 + A_qk U),  A_qk[i, j] = Σ_c q_ic k_jc E_ijc   (j <= i)
+    S_next       = Diag(e^{Γ_C}) S0 + (K ⊙ e^{Γ_C − Γ})ᵀ U
+
+``I + A_kk`` is unit lower-triangular: one solve per chunk (block forward substitution over 16-row blocks)
+gives ``W`` and ``U0`` with ``U = U0 − W S0`` (the WY/UT transform). The chunk transition is then
+``S_next = M S0 + Z`` with per-chunk ``M, Z`` computed in parallel; only that short loop is sequential.
+
+``A_kk`` and ``A_qk`` are built from 16-token sub-blocks, each entry as a product of finite factors:
+- sub-block I after J: anchor at the end of J, ``E_ij = e^{Γ_i − Γ_start(I)} · e^{Γ_start(I) − Γ_end(J)} ·
+  e^{Γ_end(J) − Γ_j}``, all exponents ``<= 0``, one matmul whatever the gate's range;
+- diagonal sub-block I: anchor at its start, ``E_ij = e^{Γ_i − Γ_start} · e^{Γ_start − Γ_j}``. The second factor
+  is ``<= e^{80}`` while row i has decayed at most SPAN_LIMIT = 80 nats since the block start, which the bounded
+  gate (``g >= −5``, 16 tokens) guarantees. Rows past that (unbounded softplus gate only) are recomputed
+  exactly from the pairwise differences ``Γ_i − Γ_j``, masked to ``j <= i`` before ``exp``.
+Every entry (i, j) reads tokens ``<= i`` only, so later inputs cannot change earlier outputs, not even
+their rounding.
+
+The Triton kernels (``kda_triton.py``, optional) plug in behind ``chunk_kda`` / ``recurrent_kda``.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from .kda_triton import chunk_kda_triton, recurrent_kda_triton
+except ImportError:
+    chunk_kda_triton = recurrent_kda_triton = None
+
+CHUNK_SIZE = 64
+SUB_BLOCK = 16
+SPAN_LIMIT = 80.0  # nats a sub-block may decay over and still use the anchored matmul form
+L2NORM_EPS = 1e-6
+GATES = ("bounded", "softplus")
+BACKENDS = ("torch", "triton")
+
+
+def kda_gate(g_raw, A_log, dt_bias=None, gate="bounded", lower_bound=-5.0):
+    """Log-decay gate of KDA, in fp32 (fp64 when ``g_raw`` is fp64).
+
+    Args:
+        g_raw: ``[..., H, K]`` output of the low-rank gate projection.
+        A_log: ``[H]`` per-head log scale, or None (scale 1).
+        dt_bias: ``[H * K]`` or ``[H, K]`` per-channel bias, or None.
+        gate: ``"bounded"``: ``lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias))``, range
+            ``(lower_bound, 0)``; ``"softplus"``: ``-exp(A_log) * softplus(g_raw + dt_bias)``, range ``(-inf, 0)``.
+        lower_bound: negative float, used by the bounded gate only.
+
+    Returns:
+        ``g`` with the shape of ``g_raw``.
+    """
+    if gate not in GATES:
+        raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+    if g_raw.dim() < 2:
+        raise ValueError(f"g_raw must have shape [..., H, K], got {tuple(g_raw.shape)}")
+    H, K = g_raw.shape[-2:]
+    dtype = torch.float64 if g_raw.dtype == torch.float64 else torch.float32
+    x = g_raw.to(dtype)
+    if dt_bias is not None:
+        if dt_bias.numel() != H * K or dt_bias.dim() not in (1, 2):
+            raise ValueError(f"dt_bias must have shape [H*K] = [{H * K}] or [H, K] = [{H}, {K}], got {tuple(dt_bias.shape)}")
+        x = x + dt_bias.to(dtype).reshape(H, K)
+    if A_log is None:
+        a = x.new_ones(H, 1)
+    else:
+        if tuple(A_log.shape) != (H,):
+            raise ValueError(f"A_log must have shape [H] = [{H}], got {tuple(A_log.shape)}")
+        a = A_log.to(dtype).exp().unsqueeze(-1)
+    if gate == "bounded":
+        if lower_bound is None or not lower_bound < 0:
+            raise ValueError(f"the bounded gate needs a negative lower_bound, got {lower_bound!r}")
+        return lower_bound * torch.sigmoid(a * x)
+    return -a * F.softplus(x)
+
+
+def _compute_dtype(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _l2norm(x):
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
+
+
+def _validate(q, k, v, g, beta, initial_state, cu_seqlens):
+    """Check the op contract; return ``(N, doc_lengths or None)``."""
+    if q.dim() != 4:
+        raise ValueError(f"q must have shape [B, T, H, K], got {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    if k.shape != q.shape:
+        raise ValueError(f"k must have the shape of q {tuple(q.shape)}, got {tuple(k.shape)}")
+    if g.shape != q.shape:
+        raise ValueError(f"g must have the shape of q {tuple(q.shape)}, got {tuple(g.shape)}")
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must have shape [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}")
+    if beta.shape != q.shape[:3]:
+        raise ValueError(f"beta must have shape [B, T, H] = [{B}, {T}, {H}], got {tuple(beta.shape)}")
+    lengths = None
+    N = B
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the batch size must be 1, got B={B}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N+1], got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
+        cu = [int(c) for c in cu_seqlens.tolist()]
+        if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens must be non-decreasing from 0 to T={T}, got {cu}")
+        lengths = [b - a for a, b in zip(cu, cu[1:])]
+        N = len(lengths)
+    if initial_state is not None and tuple(initial_state.shape) != (N, H, K, v.shape[-1]):
+        raise ValueError(f"initial_state must have shape [N, H, K, V] = [{N}, {H}, {K}, {v.shape[-1]}], got {tuple(initial_state.shape)}")
+    return N, lengths
+
+
+def _resolve_gate(gate, lower_bound):
+    """flash-linear-attention semantics when ``gate`` is None: bounded iff ``lower_bound`` is given."""
+    if gate is None:
+        gate = "softplus" if lower_bound is None else "bounded"
+    if gate not in GATES:
+        raise ValueError(f"gate must be one of {GATES} or None, got {gate!r}")
+    if gate == "bounded":
+        lower_bound = -5.0 if lower_bound is None else float(lower_bound)
+    elif lower_bound is not None:
+        raise ValueError(f"lower_bound={lower_bound} is only valid with the bounded gate, got gate='softplus'")
+    return gate, lower_bound
+
+
+def _pick_backend(backend, q, kernel):
+    if backend is None:
+        return "triton" if (q.is_cuda and kernel is not None) else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if backend == "triton" and (kernel is None or not q.is_cuda):
+        raise ValueError("backend='triton' needs CUDA tensors and the kda_triton module (triton installed)")
+    return backend
+
+
+def naive_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+    """The per-token KDA recurrence; the test oracle.
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H, K]`` log-decay; beta: ``[B, T, H]``.
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: ``[N, H, K, V]`` or None (zeros).
+        output_final_state: return the final state.
+        cu_seqlens: ``[N+1]`` document boundaries in the single row (B must be 1).
+
+    Returns:
+        ``(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] or None)``; computed in fp32 (fp64 for fp64 inputs).
+    """
+    N, lengths = _validate(q, k, v, g, beta, initial_state, cu_seqlens)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if cu_seqlens is None:
+        o, state = _naive_core(q, k, v, g, beta, scale, initial_state)
+    else:
+        outs, states, start = [], [], 0
+        for n, length in enumerate(lengths):
+            sl = slice(start, start + length)
+            h0 = None if initial_state is None else initial_state[n : n + 1]
+            o_n, s_n = _naive_core(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], scale, h0)
+            outs.append(o_n)
+            states.append(s_n)
+            start += length
+        o, state = torch.cat(outs, 1), torch.cat(states, 0)
+    return o, (state if output_final_state else None)
+
+
+def _naive_core(q, k, v, g, beta, scale, h0):
+    B, T, H, K = q.shape
+    out_dtype, dtype = q.dtype, _compute_dtype(q)
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    S = q.new_zeros(B, H, K, v.shape[-1]) if h0 is None else h0.to(dtype)
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp().unsqueeze(-1)
+        k_t = k[:, t]
+        delta = v[:, t] - torch.einsum("bhkv,bhk->bhv", S, k_t)
+        S = S + beta[:, t, :, None, None] * k_t.unsqueeze(-1) * delta.unsqueeze(-2)
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t] * scale))
+    o = torch.stack(outs, 1) if outs else v.new_zeros(B, 0, H, v.shape[-1])
+    return o.to(out_dtype), S
+
+
+def _prepare(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, use_qk_l2norm_in_kernel, gate, lower_bound):
+    """Apply the fused keywords in torch (shared by the torch backends)."""
+    if use_gate_in_kernel:
+        g = kda_gate(g, A_log, dt_bias, gate=gate, lower_bound=lower_bound)
+    if use_qk_l2norm_in_kernel:
+        dtype = _compute_dtype(q)
+        q, k = _l2norm(q.to(dtype)), _l2norm(k.to(dtype))
+    return q, k, v, g, beta
+
+
+def chunk_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    *,
+    use_qk_l2norm_in_kernel=False,
+    use_gate_in_kernel=False,
+    A_log=None,
+    dt_bias=None,
+    lower_bound=None,
+    gate=None,
+    backend=None,
+):
+    """Chunked KDA (training / prefill).
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta: ``[B, T, H]`` (post-sigmoid).
+        g: ``[B, T, H, K]``: the log-decay, or the raw gate input when ``use_gate_in_kernel``.
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: ``[N, H, K, V]`` or None (zeros); N = B, or the number of documents with cu_seqlens.
+        output_final_state: also return the final state ``[N, H, K, V]`` (fp32; fp64 for fp64 inputs).
+        cu_seqlens: ``[N+1]`` int boundaries of documents packed in one row (B must be 1); no state crosses them.
+        use_qk_l2norm_in_kernel: L2-normalise q and k per head (eps 1e-6) first.
+        use_gate_in_kernel: compute ``g = kda_gate(g, A_log, dt_bias, gate, lower_bound)`` first.
+        A_log: ``[H]``; dt_bias: ``[H*K]`` or ``[H, K]`` (gate parameters, used with ``use_gate_in_kernel``).
+        lower_bound, gate: as flash-linear-attention when ``gate`` is None: the bounded gate with this
+            bound if ``lower_bound`` is set, else the softplus gate. ``gate="bounded"`` with no bound uses -5.
+        backend: None (triton for CUDA tensors when available, else torch), ``"torch"`` or ``"triton"``.
+
+    Returns:
+        ``(o [B, T, H, V] in q's dtype, final_state or None)``.
+    """
+    gate, lower_bound = _resolve_gate(gate, lower_bound)
+    _validate(q, k, v, g, beta, initial_state, cu_seqlens)
+    backend = _pick_backend(backend, q, chunk_kda_triton)
+    if backend == "triton":
+        return chunk_kda_triton(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate,
+        )
+    out_dtype = q.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, use_qk_l2norm_in_kernel, gate, lower_bound)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    o, state = _chunk_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    return o.to(out_dtype), (state if output_final_state else None)
+
+
+def recurrent_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    *,
+    use_qk_l2norm_in_kernel=False,
+    use_gate_in_kernel=False,
+    A_log=None,
+    dt_bias=None,
+    lower_bound=None,
+    gate=None,
+    backend=None,
+):
+    """Step-by-step KDA for decoding (a few tokens, state in and out). Same arguments and returns as ``chunk_kda``."""
+    gate, lower_bound = _resolve_gate(gate, lower_bound)
+    _validate(q, k, v, g, beta, initial_state, cu_seqlens)
+    backend = _pick_backend(backend, q, recurrent_kda_triton)
+    if backend == "triton":
+        return recurrent_kda_triton(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate,
+        )
+    out_dtype = q.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, use_qk_l2norm_in_kernel, gate, lower_bound)
+    o, state = naive_recurrent_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    return o.to(out_dtype), state
+
+
+def _chunk_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens):
+    """Torch chunked KDA on validated inputs. Returns ``(o [B, T, H, V], final_state [N, H, K, V])`` in the compute dtype."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C, S = CHUNK_SIZE, SUB_BLOCK
+    n = C // S
+    dtype = _compute_dtype(q)
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    # Padding tokens have k = v = beta = 0 and g = 0: they leave the state untouched and are cut from o.
+    if cu_seqlens is None:
+        pad = -T % C
+        xs = [F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) for x in (q, k, v, g, beta)]
+        doc_starts, doc_ends = {}, {}
+    else:
+        cu = [int(c) for c in cu_seqlens.tolist()]
+        index, doc_starts, doc_ends, chunk = [], {}, {}, 0
+        for d, (a, b) in enumerate(zip(cu, cu[1:])):
+            if b == a:
+                continue
+            n_chunks = -(-(b - a) // C)
+            index += list(range(a, b)) + [T] * (n_chunks * C - (b - a))
+            doc_starts[chunk], doc_ends[chunk + n_chunks - 1] = d, d
+            chunk += n_chunks
+        index = torch.tensor(index, dtype=torch.long, device=q.device)
+        xs = [torch.cat([x, x.new_zeros(x[:, :1].shape)], 1).index_select(1, index) for x in (q, k, v, g, beta)]
+    Tp = xs[0].shape[1]
+    NC = Tp // C
+    # [B, Tp, H, D] -> [NC, B, H, n, S, D]: chunks of n sub-blocks; the chunk loop slices contiguous blocks.
+    q, k, v, g = (x.reshape(B, NC, n, S, H, -1).permute(1, 0, 4, 2, 3, 5).contiguous() for x in xs[:4])
+    beta = xs[4].reshape(B, NC, C, H, 1).permute(1, 0, 3, 2, 4)  # [NC, B, H, C, 1]
+    q = q * scale
+
+    Gam = g.flatten(-3, -2).cumsum(-2).unflatten(-2, (n, S))  # Γ, cumulative within the chunk
+    end = Gam[..., -1, :]  # Γ at the last token of each sub-block, [..., n, K]
+    start = torch.cat([torch.zeros_like(end[..., :1, :]), end[..., :-1, :]], -2)  # Γ before each sub-block
+    from_start = (Gam - start.unsqueeze(-2)).exp()  # exp(Γ_i − Γ_start(I)) <= 1
+    k_end = k * (end.unsqueeze(-2) - Gam).exp()  # k ⊙ exp(Γ_end(I) − Γ) <= |k|
+    q_l, k_l = q * from_start, k * from_start
+    A_qk, A_kk = _intra_chunk_scores(q, k, Gam, q_l, k_l, k_end, start, end)
+
+    def flat(x):  # [..., n, S, D] -> [..., C, D]
+        return x.flatten(-3, -2)
+
+    start_decay = start.exp().unsqueeze(-2)  # exp(Γ_start(I)): q_l · start_decay = q ⊙ e^Γ
+    rhs = torch.cat([beta * flat(k_l * start_decay), beta * flat(v)], -1)
+    W, U0 = _solve_unit_lower(beta * A_kk, rhs).split([K, V], -1)
+    k_to_end = flat(k_end * (end[..., -1:, :] - end).exp().unsqueeze(-2)).transpose(-1, -2)  # k ⊙ e^{Γ_C − Γ}, [.., K, C]
+    # Chunk transition S_next = M S + Z with M = Diag(e^{Γ_C}) − (k ⊙ e^{Γ_C − Γ})ᵀ W and Z = (k ⊙ e^{Γ_C − Γ})ᵀ U0.
+    M = torch.diag_embed(end[..., -1, :].exp()) - k_to_end @ W
+    Z = k_to_end @ U0
+
+    h0 = None if initial_state is None else initial_state.to(dtype)
+    state = (q.new_zeros(B, H, K, V) if h0 is None else h0) if cu_seqlens is None else None
+    finals = [None] * (B if cu_seqlens is None else len(cu) - 1)
+    states_in = []
+    for c in range(NC):
+        if c in doc_starts:
+            d = doc_starts[c]
+            state = q.new_zeros(1, H, K, V) if h0 is None else h0[d : d + 1]
+        states_in.append(state)
+        state = torch.baddbmm(Z[c].flatten(0, 1), M[c].flatten(0, 1), state.flatten(0, 1)).view_as(Z[c])
+        if c in doc_ends:
+            finals[doc_ends[c]] = state
+    states_in = torch.stack(states_in)  # state entering each chunk, [NC, B, H, K, V]
+    o = flat(q_l * start_decay) @ states_in + A_qk @ (U0 - W @ states_in)  # [NC, B, H, C, V]
+    o = o.permute(1, 0, 3, 2, 4).reshape(B, Tp, H, V)
+    if cu_seqlens is None:
+        return o[:, :T], state
+    for d, final in enumerate(finals):  # empty documents keep their initial state
+        if final is None:
+            finals[d] = q.new_zeros(1, H, K, V) if h0 is None else h0[d : d + 1]
+    return o.index_select(1, (index < T).nonzero().squeeze(-1)), torch.cat(finals, 0)
+
+
+def _intra_chunk_scores(q, k, Gam, q_l, k_l, k_end, start, end):
+    """Intra-chunk ``A_qk`` (``j <= i``) and ``A_kk`` (``j < i``, without β) as ``[..., C, C]``.
+
+    Inputs in sub-blocks ``[..., n, S, K]``: ``q, k, Gam``; ``q_l, k_l = (q, k) ⊙ e^{Γ − Γ_start}``,
+    ``k_end = k ⊙ e^{Γ_end − Γ}``; ``start, end: [..., n, K]`` (Γ before / at the end of each sub-block).
+    Entry (i, j) only reads tokens ``<= i``, so later inputs cannot change it (not even its rounding).
+    """
+    n, S, K = q.shape[-3:]
+    lead = q.shape[:-3]
+    C = n * S
+    # Diagonal block I, anchored at the block start: (q_l)_I (k ⊙ e^{Γ_start − Γ})_Iᵀ; exact for rows whose decay since
+    # the start stays <= SPAN_LIMIT (always, with the bounded gate); the clamp only keeps the other rows finite.
+    since_start = start.unsqueeze(-2) - Gam  # [..., n, S, K], >= 0
+    k_r = k * since_start.clamp(max=SPAN_LIMIT).exp()
+    # Block J < I: (q_l)_I Diag(e^{Γ_start(I) − Γ_end(J)}) (k_end)_Jᵀ, all exponents <= 0.
+    rows = []
+    for i in range(n):
+        right = k_r[..., i, :, :]
+        if i:
+            off = (start[..., i, None, :] - end[..., :i, :]).exp().unsqueeze(-2) * k_end[..., :i, :, :]  # [..., i, S, K]
+            right = torch.cat([off.flatten(-3, -2), right], -2)
+        row = torch.cat([q_l[..., i, :, :], k_l[..., i, :, :]], -2) @ right.transpose(-1, -2)  # [..., 2S, (i+1)S]
+        rows.append(F.pad(row, (0, C - (i + 1) * S)))
+    rows = torch.stack(rows, -3)  # [..., n(I), 2S, C]
+    A_qk, A_kk = rows[..., :S, :], rows[..., S:, :]
+    wide = since_start.amax(-1) > SPAN_LIMIT  # [..., n, S]: rows that need the exact pairwise form
+    if wide.any():  # only unbounded gates get here: pairwise exp(Γ_i − Γ_j), masked to j <= i before exp
+        idx = wide.any(-1).nonzero(as_tuple=True)
+        qw, kw, Gw = q[idx], k[idx], Gam[idx]
+        causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril().unsqueeze(-1)
+        kd = (Gw.unsqueeze(-2) - Gw.unsqueeze(-3)).masked_fill(~causal, -math.inf).exp() * kw.unsqueeze(-3)
+        on_diag = torch.eye(n, dtype=torch.bool, device=q.device)[:, None, :, None]  # [n(I), 1, n(J), 1]
+        replace = wide[..., None, None] & on_diag  # [..., n(I), S(i), n(J), 1]
+
+        def exact(x, pairwise):  # x [..., n, S, C]: wide rows take the pairwise values on their diagonal block
+            d = x.new_zeros(*lead, n, S, S).index_put(idx, pairwise)
+            return torch.where(replace, d.unsqueeze(-2), x.unflatten(-1, (n, S))).flatten(-2)
+
+        A_qk = exact(A_qk, (kd @ qw.unsqueeze(-1)).squeeze(-1))
+        A_kk = exact(A_kk, (kd @ kw.unsqueeze(-1)).squeeze(-1))
+    return A_qk.reshape(*lead, C, C).tril(), A_kk.reshape(*lead, C, C).tril(-1)
+
+
+def _solve_unit_lower(N, rhs):
+    """Solve ``(I + N) X = rhs`` for strictly lower-triangular ``N [..., C, C]``, ``rhs [..., C, R]``.
+
+    Block forward substitution over SUB_BLOCK rows, with the diagonal blocks inverted once (batched).
+    """
+    C, S = N.shape[-1], SUB_BLOCK
+    n = C // S
+    eye = torch.eye(S, dtype=N.dtype, device=N.device)
+    diag = N.unflatten(-2, (n, S)).unflatten(-1, (n, S)).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)  # [..., n, S, S]
+    inv = torch.linalg.solve_triangular(eye + diag, eye.expand_as(diag), upper=False, unitriangular=True)
+    X = []
+    for b in range(n):
+        r = rhs[..., b * S : (b + 1) * S, :]
+        if b:
+            r = r - N[..., b * S : (b + 1) * S, : b * S] @ torch.cat(X, -2)
+        X.append(inv[..., b, :, :] @ r)
+    return torch.cat(X, -2)
