@@ -98,6 +98,10 @@ def test_router_bias_round_trips_in_process(tmp_path):
         if a.is_moe:
             torch.testing.assert_close(a.ffn.router.bias, b.ffn.router.bias, rtol=0, atol=0)
             assert b.ffn.router.bias.dtype == torch.float32
+    from transformers import AutoModelForCausalLM
+
+    # `import kdamoe` registered the classes: the Auto class finds the local code without trust_remote_code.
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path)) is kdamoe.KDAMoEForCausalLM
     loaded_bf16 = kdamoe.KDAMoEForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     assert loaded_bf16.model.embed_tokens.weight.dtype == torch.bfloat16
     for a, b in zip(model.model.layers, loaded_bf16.model.layers):

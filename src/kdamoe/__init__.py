@@ -1,35 +1,47 @@
 """kdamoe: KDA linear attention with bounded decay, a Quantile-Balanced MoE and Block Attention Residuals.
 
-The model code itself lives in `kdamoe.model`, a flat folder that `save_pretrained` copies into every
-checkpoint as remote code. Importing `kdamoe` registers the model with the transformers Auto classes.
-Public names are imported lazily so that `import kdamoe` stays cheap.
+The model code lives in `kdamoe.model`, a flat folder that `save_pretrained` copies into every checkpoint as
+remote code. Importing `kdamoe` registers the config and models with the transformers Auto classes, so
+`AutoModelForCausalLM.from_pretrained(path)` works locally without `trust_remote_code` as well.
 """
 
-import importlib
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-_PUBLIC = {
-    "KDAMoEConfig": "kdamoe.model.configuration_kdamoe",
-    "KDAMoEModel": "kdamoe.model.modeling_kdamoe",
-    "KDAMoEForCausalLM": "kdamoe.model.modeling_kdamoe",
-    "KDAMoEPreTrainedModel": "kdamoe.model.modeling_kdamoe",
-    "chunk_kda": "kdamoe.model.kda",
-    "recurrent_kda": "kdamoe.model.kda",
-    "naive_recurrent_kda": "kdamoe.model.kda",
-    "kda_gate": "kdamoe.model.kda",
-    "situ_glu": "kdamoe.model.moe",
-    "quantile_balance": "kdamoe.model.moe",
-    "QuantileHistogram": "kdamoe.model.moe",
-    "LoadBalancingCallback": "kdamoe.balancing",
-    "register_load_balancing_hook": "kdamoe.balancing",
-}
+from .balancing import LoadBalancingCallback, register_load_balancing_hook, summarize_balancing
+from .model.configuration_kdamoe import KDAMoEConfig
+from .model.kda import chunk_kda, kda_gate, naive_recurrent_kda, recurrent_kda
+from .model.modeling_kdamoe import KDAMoECache, KDAMoEForCausalLM, KDAMoEModel, KDAMoEPreTrainedModel
+from .model.moe import (
+    QuantileHistogram,
+    loss_free_balance,
+    max_violation,
+    quantile_balance,
+    situ_glu,
+    swiglu,
+)
 
-__all__ = sorted(_PUBLIC)
+AutoConfig.register(KDAMoEConfig.model_type, KDAMoEConfig, exist_ok=True)
+AutoModel.register(KDAMoEConfig, KDAMoEModel, exist_ok=True)
+AutoModelForCausalLM.register(KDAMoEConfig, KDAMoEForCausalLM, exist_ok=True)
+
 __version__ = "0.1.0"
-
-
-def __getattr__(name: str):
-    if name not in _PUBLIC:
-        raise AttributeError(f"module 'kdamoe' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_PUBLIC[name]), name)
-    globals()[name] = value
-    return value
+__all__ = [
+    "KDAMoECache",
+    "KDAMoEConfig",
+    "KDAMoEForCausalLM",
+    "KDAMoEModel",
+    "KDAMoEPreTrainedModel",
+    "LoadBalancingCallback",
+    "QuantileHistogram",
+    "chunk_kda",
+    "kda_gate",
+    "loss_free_balance",
+    "max_violation",
+    "naive_recurrent_kda",
+    "quantile_balance",
+    "recurrent_kda",
+    "register_load_balancing_hook",
+    "situ_glu",
+    "summarize_balancing",
+    "swiglu",
+]
