@@ -56,7 +56,7 @@ PASSKEY_TEMPLATES = {
         " {key}",
     ),
 }
-LM_EVAL_TASK_DIR = Path(__file__).parent / "data"  # lm-evaluation-harness `--include_path` of the local task
+LM_EVAL_TASK_DIR = Path(__file__).parent / "lm_eval_tasks"  # lm-evaluation-harness `--include_path` of the local task
 PLOTS = {
     "length_extrapolation": "loss_by_position.png",
     "passkey": "passkey.png",
