@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One GPU session for the MoE layer and the training stack (run through the `device` tool from the repo root):
+#   CUDA-only MoE tests, benchmarks/bench_moe.py, and a short `small`-preset training run for tokens/s and MFU.
+# Carries: .whl (datasets, dill, multiprocess wheels) and .gpu/tok32k (a BPE trained here, so no device time
+# goes to tokenizer training). Results land in $OUT.
+set -uo pipefail
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true HF_HUB_OFFLINE=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=$PYTHONPATH:/tmp/site
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+
+echo "== CUDA MoE tests"
+python3 -m pytest -q -x tests/test_moe.py -k cuda 2>&1 | tail -5
+
+echo "== bench_moe"
+python3 benchmarks/bench_moe.py --out "$OUT/bench_moe.json" 2>&1 | tee "$OUT/bench_moe.log" | tail -25
+
+echo "== small preset: tokens/s and MFU"
+STEPS=${SMALL_STEPS:-30}
+python3 -m kdamoe.train --preset small --tokenizer .gpu/tok32k --stages 2048:$STEPS --micro-batch-size 16 \
+  --save-every 0 --eval-every 0 --val-rows 8 --output-dir /tmp/small > "$OUT/train_small.log" 2>&1
+tail -5 "$OUT/train_small.log"
+cp /tmp/small/metrics.jsonl "$OUT/small_metrics.jsonl" 2>/dev/null
+python3 benchmarks/throughput.py /tmp/small --peak-tflops "${PEAK_TFLOPS:-989}" | tee "$OUT/small_throughput.txt"

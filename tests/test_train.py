@@ -1,0 +1,203 @@
+"""Training: loss goes down, outputs, staged schedule, resume == uninterrupted, two gloo ranks in sync, errors."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kdamoe import KDAMoEConfig, KDAMoEForCausalLM
+from kdamoe.data import validation_rows, load_corpus
+from kdamoe.quickstart import generate_in_fresh_process
+from kdamoe.train import learning_rate, param_groups, parse_stages, plan_stages, rescale_stages, train
+
+MICRO = {
+    "preset": "tiny",
+    "model": {"hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 64,
+              "layer_types": ["linear_attention", "full_attention"], "mlp_layer_types": ["moe", "moe"],
+              "kda_num_heads": 2, "kda_head_dim": 16, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+              "attnres_block_layers": 1},
+    "tokenizer_vocab_size": 384,
+    "training": {"micro_batch_size": 4, "lr": 1e-2, "warmup_steps": 2, "val_rows": 4, "shuffle_window_tokens": 2048},
+}
+
+
+def metrics(out):
+    return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A micro config file and a shared tokenizer (so each run skips tokenizer training)."""
+    root = tmp_path_factory.mktemp("train")
+    cfg = root / "micro.json"
+    cfg.write_text(json.dumps(MICRO))
+    out = root / "tok_run"
+    train(["--config", str(cfg), "--output-dir", str(out), "--stages", "64:1"])
+    return {"root": root, "config": str(cfg), "tokenizer": str(out / "tokenizer")}
+
+
+def run(setup, out, *flags, return_model=False):
+    argv = ["--config", setup["config"], "--tokenizer", setup["tokenizer"], "--output-dir", str(out), *flags]
+    return train(argv, return_model=return_model)
+
+
+@pytest.fixture(scope="module")
+def base_run(setup):
+    out = setup["root"] / "base"
+    summary = run(setup, out, "--stages", "64:16")
+    return out, summary
+
+
+def test_training_lowers_loss_and_writes_a_loadable_folder(setup, base_run):
+    out, summary = base_run
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, 17))
+    for r in rows:
+        assert set(r) >= {"step", "loss", "lr", "tokens_per_second", "grad_norm", "max_vio", "dead_experts"}
+        assert set(r["max_vio"]) == {"0", "1"} and all(v >= 0 for v in r["max_vio"].values())
+        assert r["ppl"] == pytest.approx(math.exp(r["loss"]))
+    assert sum(r["loss"] for r in rows[-4:]) < sum(r["loss"] for r in rows[:4]) - 4 * 0.3
+    assert summary["val_loss"] < summary["val_loss_before"] - 0.3
+    assert rows[-1]["tokens"] == 16 * 4 * 64 == summary["tokens_trained"]
+    final = out / "final"
+    for name in ("config.json", "model.safetensors", "modeling_kdamoe.py", "tokenizer.json",
+                 "generation_config.json", "training_info.json"):
+        assert (final / name).is_file(), name
+    info = json.loads((final / "training_info.json").read_text())
+    assert info["val_loss"] == summary["val_loss"] and info["data"]["dataset"] == "stdlib"
+    assert list((out / "tensorboard").rglob("events.out.tfevents.*"))
+    # the saved folder reproduces the reported validation loss
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(final, trust_remote_code=True).eval()
+    tok = AutoTokenizer.from_pretrained(final, trust_remote_code=True)
+    val = validation_rows(load_corpus("stdlib", "validation"), tok, 64, 4)
+    with torch.no_grad():
+        losses = [model(**{k: v[i:i + 1] for k, v in val.items()}).loss for i in range(4)]
+    counts = (val["labels"][:, 1:] != -100).sum(1)
+    reloaded = float(sum(l * c for l, c in zip(losses, counts)) / counts.sum())
+    assert reloaded == pytest.approx(summary["val_loss"], abs=1e-5)
+    # a fresh interpreter elsewhere, offline, loads it through the Auto classes and generates
+    printed = generate_in_fresh_process(final, "def ")
+    assert "generated" in printed and "KDAMoEForCausalLM" in printed
+
+
+def test_resume_equals_uninterrupted(setup):
+    flags = ("--stages", "32:4,64:4", "--save-every", "3")
+    full = setup["root"] / "full"
+    run(setup, full, *flags)
+    part = setup["root"] / "part"
+    run(setup, part, *flags, "--max-steps", "5")  # checkpoints at 3 and 5
+    # simulate a crash while writing the step-6 checkpoint after losing step 5's
+    shutil.rmtree(part / "checkpoints" / "step_00000005")
+    tmp = part / "checkpoints" / ".tmp-step_00000006"
+    tmp.mkdir()
+    (tmp / "model.safetensors").write_bytes(b"partial")
+    summary = run(setup, part, *flags, "--resume")
+    a, b = metrics(full), metrics(part)
+    assert [r["step"] for r in b] == list(range(1, 9)) and [r["seq_len"] for r in b] == [32] * 4 + [64] * 4
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-6, abs=0)
+    assert [r["max_vio"] for r in a] == [r["max_vio"] for r in b]
+    assert summary["val_loss"] == pytest.approx(json.loads((full / "final" / "training_info.json").read_text())["val_loss"],
+                                                rel=1e-6)
+    # the staged schedule kept tokens per step: 4 rows of 32 then 2 rows of 64
+    assert [r["tokens"] for r in a] == [128 * i for i in range(1, 9)]
+    # a checkpoint from a different config is refused
+    with pytest.raises(ValueError, match="different config"):
+        run(setup, part, *flags, "--resume", "--lr", "5e-3")
+
+
+def test_output_dir_and_input_errors(setup, base_run, tmp_path):
+    out, _ = base_run
+    with pytest.raises(ValueError, match="holds another run"):
+        run(setup, out, "--stages", "64:1")
+    with pytest.raises(ValueError, match="above the preset's maximum"):
+        run(setup, tmp_path / "a", "--stages", "4096:1")
+    with pytest.raises(ValueError, match="bad stage"):
+        run(setup, tmp_path / "b", "--stages", "64")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.txt").write_text("")
+    with pytest.raises(ValueError, match="empty"):
+        run(setup, tmp_path / "c", "--dataset", str(tmp_path / "empty"), "--stages", "64:1")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"training": {"learning_rate": 1.0}}))
+    with pytest.raises(ValueError, match="unknown training settings"):
+        train(["--config", str(bad), "--output-dir", str(tmp_path / "d")])
+
+
+def test_overwrite_replaces_a_run(setup, tmp_path):
+    out = tmp_path / "o"
+    run(setup, out, "--stages", "32:2")
+    run(setup, out, "--stages", "32:1", "--overwrite")
+    assert [r["step"] for r in metrics(out)] == [1]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000001"]
+
+
+def test_schedule_plan_and_no_decay_groups():
+    assert parse_stages("512:200, 2048:100", 4096) == [(512, 200), (2048, 100)]
+    assert rescale_stages([(256, 300), (1024, 100)], 40) == [(256, 30), (1024, 10)]
+    plans = plan_stages([(64, 1), (256, 1), (1024, 1)], micro_batch_size=8, grad_accum=2, world=2)
+    assert [p.rows(2) * p.seq_len for p in plans] == [2048] * 3
+    assert [(p.micro_batch, p.grad_accum) for p in plans] == [(8, 2), (2, 2), (1, 1)]
+    s = {"lr": 1.0, "warmup_steps": 10, "min_lr_ratio": 0.1, "schedule": "cosine", "wsd_decay_fraction": 0.2}
+    lrs = [learning_rate(i, 110, s) for i in range(110)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == 1.0 and lrs[-1] == pytest.approx(0.1)
+    assert lrs[60] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 50 / 99)))
+    wsd = [learning_rate(i, 100, {**s, "schedule": "wsd"}) for i in range(100)]
+    assert wsd[10:80] == [1.0] * 70 and wsd[-1] == pytest.approx(0.1) and wsd[80] < 1.0
+    config = KDAMoEConfig(**MICRO["model"], vocab_size=64)
+    model = KDAMoEForCausalLM(config)
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    no_decay_names = {names[id(p)] for p in no_decay["params"]}
+    assert no_decay["weight_decay"] == 0.0 and decay["weight_decay"] == 0.1
+    assert len(decay["params"]) + len(no_decay["params"]) == len(names)
+    for name, p in model.named_parameters():
+        expected = p.ndim < 2 or any(m in name for m in ("A_log", "dt_bias", "norm", "attn_res")) or name.endswith("bias")
+        assert (name in no_decay_names) == expected, name
+    assert any("A_log" in n for n in no_decay_names) and any("dt_bias" in n for n in no_decay_names)
+    assert any("attn_res" in n for n in no_decay_names)
+    assert all(p.ndim >= 2 for p in decay["params"])
+    assert any(p.ndim == 3 for p in decay["params"])  # expert weights decay
+
+
+DIGEST = r"""
+import hashlib, json, os, sys
+import torch
+from kdamoe.train import train
+summary, model = train(sys.argv[2:], return_model=True)
+state = model.state_dict()
+blob = b"".join(state[k].detach().contiguous().view(torch.uint8).numpy().tobytes() for k in sorted(state))
+biases = {k: v.tolist() for k, v in state.items() if k.endswith("router.bias")}
+with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w") as f:
+    json.dump({"sha256": hashlib.sha256(blob).hexdigest(), "biases": biases}, f)
+"""
+
+
+def test_torchrun_two_ranks_stay_in_sync(setup, base_run, tmp_path):
+    """2 gloo ranks x micro-batch 2 train like 1 process x micro-batch 4, with identical weights and router biases."""
+    script = tmp_path / "digest.py"
+    script.write_text(DIGEST)
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(script), str(tmp_path), "--config", setup["config"], "--tokenizer", setup["tokenizer"],
+           "--output-dir", str(out), "--stages", "64:16", "--micro-batch-size", "2"]
+    result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1))
+    assert r0["sha256"] == r1["sha256"]
+    assert r0["biases"] == r1["biases"] and len(r0["biases"]) == 2
+    assert any(abs(b) > 0 for bias in r0["biases"].values() for b in bias)  # the balancer did move the biases
+    base_out, base_summary = base_run
+    info = json.loads((out / "final" / "training_info.json").read_text())
+    assert info["world_size"] == 2
+    ddp_losses, base_losses = [r["loss"] for r in metrics(out)], [r["loss"] for r in metrics(base_out)]
+    assert ddp_losses == pytest.approx(base_losses, abs=2e-3)
+    assert info["val_loss"] == pytest.approx(base_summary["val_loss"], abs=2e-3)
