@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -39,3 +41,70 @@ def make_config():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A tiny trained run shared by the evaluation and Hub tests (trained once per session)
+# ---------------------------------------------------------------------------------------------------------------------
+
+TINY_MODEL = {"hidden_size": 32, "intermediate_size": 64, "kda_num_heads": 2, "kda_head_dim": 16,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "num_experts": 8,
+              "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+TRAIN_LEN = 64
+VAL_ROWS = 4
+PASSKEY_LENGTHS = [128, 192]
+PASSKEY_DEPTHS = [0.0, 0.5, 1.0]
+SPEED_LENGTHS = [32, 96]
+DECODE_TOKENS = 3
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory):
+    """A 3-step kdamoe-train run of a tiny model (300-token BPE) on the embedded corpus; returns the run dir."""
+    from kdamoe.data import load_corpus
+    from kdamoe.tokenizer import train_tokenizer
+    from kdamoe.train import train
+
+    root = tmp_path_factory.mktemp("kdamoe-run")
+    texts = (row["text"] for row in load_corpus("stdlib", "train"))
+    train_tokenizer(texts, 300, max_chars=100_000, save_dir=str(root / "tok"))
+    (root / "cfg.json").write_text(json.dumps({"preset": "tiny", "model": TINY_MODEL, "training": {
+        "micro_batch_size": 4, "val_rows": VAL_ROWS, "warmup_steps": 1, "save_every": 0}}))
+    train(["--config", str(root / "cfg.json"), "--tokenizer", str(root / "tok"), "--stages", f"{TRAIN_LEN}:3",
+           "--output-dir", str(root / "out")])
+    return root / "out"
+
+
+@pytest.fixture(scope="session")
+def model_dir(trained_run):
+    return trained_run / "final"
+
+
+@pytest.fixture(scope="session")
+def eval_dir(model_dir, tmp_path_factory):
+    """`kdamoe-eval` through its command line, with every part made small."""
+    from kdamoe import evaluate
+
+    out = tmp_path_factory.mktemp("kdamoe-eval")
+    evaluate.main([str(model_dir), "--output-dir", str(out), "--position-rows", "2", "--position-bins", "8",
+                   "--passkey-lengths", ",".join(map(str, PASSKEY_LENGTHS)),
+                   "--passkey-depths", ",".join(map(str, PASSKEY_DEPTHS)), "--passkey-trials", "2",
+                   "--speed-lengths", ",".join(map(str, SPEED_LENGTHS)), "--decode-tokens", str(DECODE_TOKENS),
+                   "--device", "cpu", "--no-progress"])
+    return out
+
+
+@pytest.fixture(scope="session")
+def report(eval_dir):
+    return json.loads((eval_dir / "eval.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def loaded(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True).eval()
+    return model, tokenizer
+
+

@@ -11,7 +11,6 @@ import sys
 import pytest
 import yaml
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, ModelCard, RepoUrl
-from test_evaluate import eval_dir, loaded, model_dir, report, trained_run  # noqa: F401  (shared session fixtures)
 
 import kdamoe
 from kdamoe import hub, hub_card
