@@ -1,9 +1,13 @@
 import json
+import os
 
 import pytest
 import torch
 
-import kdamoe
+if not torch.cuda.is_available():  # the Triton kernels run in Triton's CPU interpreter (set before triton loads)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import kdamoe  # noqa: E402
 
 
 def tiny_config(**overrides) -> "kdamoe.KDAMoEConfig":

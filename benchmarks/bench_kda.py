@@ -1,0 +1,249 @@
+"""Benchmark the Triton KDA kernels against flash-linear-attention's ``chunk_kda`` and SDPA, in one run.
+
+bf16, H=16 heads, head dim 128. For (B, T) in (4, 8K), (1, 32K), (1, 128K): forward and forward+backward
+of ours (bounded gate, softplus gate), fla 0.6 (``use_gate_in_kernel=True, safe_gate=True, lower_bound=-5``,
+and its softplus gate) and SDPA causal (flash); then a 1M-token forward with peak memory. Every variant is
+first checked against a float64 reference on a slice (relative error of the output and the gradients).
+Times are ``triton.testing.do_bench`` medians. Prints a table; writes JSON to ``$OUT/bench_kda.json``
+(or ``--out``).
+
+    PYTHONPATH=src python benchmarks/bench_kda.py [--quick]
+"""
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+from kdamoe.model import kda
+from kdamoe.model.kda_triton import chunk_kda_triton, recurrent_kda_triton
+
+try:
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+except ImportError:  # the peer is optional
+    fla_chunk_kda = None
+
+H, D = 16, 128
+LB = -5.0
+
+
+def make(B, T, seed=0, device="cuda"):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
+    q = F.normalize(r(B, T, H, D), dim=-1).bfloat16()
+    k = F.normalize(r(B, T, H, D), dim=-1).bfloat16()
+    v = r(B, T, H, D).bfloat16()
+    g_raw = r(B, T, H, D).bfloat16()
+    beta = torch.rand(B, T, H, device=device, generator=gen).bfloat16()
+    A_log = torch.log(torch.empty(H, device=device).uniform_(1, 16, generator=gen))
+    dt = torch.exp(torch.empty(H * D, device=device).uniform_(-6.9, -2.3, generator=gen))
+    dt_bias = dt + torch.log(-torch.expm1(-dt))  # softplus^-1(dt)
+    return dict(q=q, k=k, v=v, g=g_raw, beta=beta, A_log=A_log, dt_bias=dt_bias)
+
+
+def run_ours(x, gate):
+    lb = LB if gate == "bounded" else None
+    A_log = torch.zeros_like(x["A_log"]) if gate == "bounded" else x["A_log"]  # DESIGN: bounded A_log init 0
+    return chunk_kda_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], use_gate_in_kernel=True, A_log=A_log,
+                            dt_bias=x["dt_bias"], lower_bound=lb, gate=gate)[0]
+
+
+def run_fla(x, gate):
+    A_log = torch.zeros_like(x["A_log"]) if gate == "bounded" else x["A_log"]
+    kw = dict(safe_gate=True, lower_bound=LB) if gate == "bounded" else {}
+    return fla_chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], use_gate_in_kernel=True, A_log=A_log,
+                         dt_bias=x["dt_bias"], **kw)[0]
+
+
+def run_sdpa(x, gate=None):
+    q, k, v = (x[n].transpose(1, 2) for n in "qkv")
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+
+
+def reference(x, gate):
+    """float64 torch chunked KDA (the kda.py reference) with the same gate."""
+    lb = LB if gate == "bounded" else None
+    A_log = torch.zeros_like(x["A_log"]) if gate == "bounded" else x["A_log"]
+    xs = {n: t.double().detach().requires_grad_(n in "qkvg" or n == "beta") for n, t in x.items()}
+    o = kda.chunk_kda(xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], use_gate_in_kernel=True, A_log=A_log.double(),
+                      dt_bias=xs["dt_bias"], lower_bound=lb, gate=gate, backend="torch")[0]
+    return o, xs
+
+
+def rel(a, b):
+    if not torch.isfinite(a).all():
+        return float("inf")
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def check(fn, gate, T=4096, backward=True):
+    x = make(1, T, seed=1)
+    x = {n: t[:, :, :4] if t.dim() >= 3 else (t[:4] if n == "A_log" else t[: 4 * D]) for n, t in x.items()}
+    ro, rx = reference(x, gate)
+    leaves = {n: x[n].clone().requires_grad_(backward) for n in ("q", "k", "v", "g", "beta")}
+    o = fn({**x, **leaves}, gate)
+    err = {"o": rel(o, ro)}
+    if not backward:
+        return err
+    do = torch.randn_like(ro)
+    (ro * do).sum().backward()
+    (o.float() * do.float()).sum().backward()
+    err.update({f"d{n}": rel(leaves[n].grad, rx[n].grad) for n in leaves})
+    return err
+
+
+def time_it(fn, x, gate, backward):
+    if not backward:
+        with torch.no_grad():
+            return do_bench(lambda: fn(x, gate), warmup=50, rep=300, return_mode="median")
+    leaves = {n: x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta")}
+    do = torch.randn_like(x["v"])
+
+    def step():
+        for t in leaves.values():
+            t.grad = None
+        fn(x, gate).backward(do)
+
+    return do_bench(step, warmup=50, rep=300, return_mode="median")
+
+
+def peak_forward(fn, x, gate):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        o = fn(x, gate)
+        torch.cuda.synchronize()
+        ms = do_bench(lambda: fn(x, gate), warmup=1, rep=1, return_mode="median")
+    ok = bool(torch.isfinite(o).all())
+    return ms, torch.cuda.max_memory_allocated() / 2**30, ok
+
+
+def profile_ours():
+    x = make(1, 32768)
+    leaves = {n: x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta")}
+    for gate in ("bounded", "softplus"):
+        for _ in range(2):
+            run_ours(x, gate).backward(torch.ones_like(x["v"]))
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            run_ours(x, gate).backward(torch.ones_like(x["v"]))
+            torch.cuda.synchronize()
+        print(f"ours-{gate}, 1x32K fwd+bwd, per kernel:")
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+    del leaves
+
+
+def gpu_checks():
+    """Decode kernel, varlen and causality on the GPU (bf16 inputs, fp32 log-decay, as the benchmark)."""
+    out = {}
+    x = make(1, 3000, seed=3)
+    g = LB * torch.sigmoid(x["g"].float())
+    cu = torch.tensor([0, 1, 700, 700, 2871, 3000], device="cuda")
+    h0 = torch.randn(5, H, D, D, device="cuda")
+    args = (x["q"], x["k"], x["v"], g, x["beta"])
+    o, ht = chunk_kda_triton(*args, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    ro, rht = kda.chunk_kda(*(t.double() for t in args), initial_state=h0.double(), output_final_state=True,
+                            cu_seqlens=cu, backend="torch")
+    out["varlen_o"], out["varlen_state"] = rel(o, ro), rel(ht, rht)
+    state = h0[:2].clone()
+    dec = [t[:, :6].reshape(2, 3, *t.shape[2:]) for t in args]
+    o, ht = recurrent_kda_triton(*dec, initial_state=state, output_final_state=True)
+    ro, rht = kda.naive_recurrent_kda(*(t.double() for t in dec), initial_state=h0[:2].double(), output_final_state=True)
+    out["decode_o"], out["decode_state"], out["decode_in_place"] = rel(o, ro), rel(ht, rht), ht is state
+    one = [t[:, :1] for t in args]
+    st = h0[:1].clone()
+    out["decode_1tok_us"] = 1e3 * do_bench(lambda: recurrent_kda_triton(*one, initial_state=st, output_final_state=True),
+                                          warmup=20, rep=100, return_mode="median")
+    t0 = 150  # causality: change tokens >= t0, compare outputs < t0 and their gradients bit for bit
+    base = [t[:, :300].clone() for t in args]
+    pert = [t.clone() for t in base]
+    pert[0][:, t0:] = pert[0][:, t0:].flip(1)
+    pert[1][:, t0:] = pert[1][:, t0:].roll(7, 1)
+    pert[2][:, t0:] *= -3
+    pert[3][:, t0:] = LB
+    pert[4][:, t0:] = 1 - pert[4][:, t0:]
+    res = []
+    for inp in (base, pert):
+        leaves = [t.clone().requires_grad_() for t in inp]
+        o, _ = chunk_kda_triton(*leaves)
+        o[:, :t0].float().pow(2).sum().backward()
+        res.append([o[:, :t0]] + [t.grad[:, :t0] for t in leaves])
+    out["causal_bit_exact"] = all(torch.equal(a, b) for a, b in zip(*res))
+    print("gpu checks:", out, flush=True)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="small sizes only")
+    ap.add_argument("--fwd-only", action="store_true", help="skip the backward checks and timings")
+    ap.add_argument("--profile", action="store_true", help="per-kernel times of ours, 1x32K fwd+bwd")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_kda.json"))
+    args = ap.parse_args()
+    dev = torch.cuda.get_device_name()
+    res = dict(gpu=dev, torch=torch.__version__, triton=triton.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               fla=None, heads=H, head_dim=D, dtype="bf16", errors={}, times={}, million={})
+    try:
+        import fla
+        res["fla"] = fla.__version__
+    except ImportError:
+        pass
+    res["gpu_checks"] = gpu_checks()
+    impls = {"ours-bounded": (run_ours, "bounded"), "ours-softplus": (run_ours, "softplus")}
+    if fla_chunk_kda is not None:
+        impls["fla-bounded"] = (run_fla, "bounded")
+    for name, (fn, gate) in impls.items():
+        res["errors"][name] = check(fn, gate, backward=not args.fwd_only)
+        print(name, "rel err vs float64:", {k: f"{v:.1e}" for k, v in res["errors"][name].items()}, flush=True)
+    if args.profile and not args.fwd_only:
+        profile_ours()
+    impls["sdpa"] = (run_sdpa, None)
+    sizes = [(1, 8192)] if args.quick else [(4, 8192), (1, 32768), (1, 131072)]
+    for B, T in sizes:
+        x = make(B, T)
+        for name, (fn, gate) in impls.items():
+            for bwd in (False,) if args.fwd_only else (False, True):
+                key = f"{B}x{T // 1024}K {'fwd+bwd' if bwd else 'fwd'}"
+                ms = time_it(fn, {n: t.detach() for n, t in x.items()}, gate, bwd)
+                res["times"].setdefault(key, {})[name] = ms
+                print(f"{key:>16} {name:>14}: {ms:9.3f} ms", flush=True)
+                save(res, args.out)
+        del x
+        torch.cuda.empty_cache()
+    if not args.quick:
+        for name in ("ours-bounded", "fla-bounded"):
+            if name not in impls:
+                continue
+            torch.cuda.empty_cache()
+            x = make(1, 1 << 20)
+            fn, gate = impls[name]
+            ms, gib, ok = peak_forward(fn, x, gate)
+            res["million"][name] = dict(ms=ms, peak_gib=gib, finite=ok)
+            print(f"1M fwd {name}: {ms:.1f} ms, peak {gib:.1f} GiB, finite={ok}", flush=True)
+            del x
+    # table
+    names = list(impls)
+    print("\n| shape (ms) | " + " | ".join(names) + " | speed-up vs fla-bounded | bounded vs softplus |")
+    print("|---" * (len(names) + 3) + "|")
+    for key, row in res["times"].items():
+        vs_fla = row.get("fla-bounded", float("nan")) / row["ours-bounded"]
+        vs_softplus = row["ours-softplus"] / row["ours-bounded"]
+        print(f"| {key} | " + " | ".join(f"{row[n]:.2f}" for n in names) + f" | {vs_fla:.2f}x | {vs_softplus:.2f}x |")
+    for name, m in res["million"].items():
+        print(f"| 1M fwd {name} | {m['ms']:.1f} ms | {m['peak_gib']:.1f} GiB | finite={m['finite']} |")
+    save(res, args.out)
+
+
+def save(res, path):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

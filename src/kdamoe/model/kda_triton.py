@@ -1,0 +1,699 @@
+"""Triton kernels for KDA (imported only when triton is there): chunked forward/backward and a decode kernel.
+
+Layout and recurrence as in ``kda.py``: ``q, k: [B, T, H, K]``, ``v: [B, T, H, V]``, ``g: [B, T, H, K]``
+(log-decay), ``beta: [B, T, H]``, state ``[N, H, K, V]`` fp32. Per chunk of C = 64 tokens entering with state
+``S0`` (``Γ`` = within-chunk cumsum of ``g``)::
+
+    T      = (I + A_kk)^-1,   A_kk[i, j] = β_i Σ_c k_ic k_jc exp(Γ_ic − Γ_jc)   (j < i)
+    W      = T (β K e^Γ),     U0 = T (β V),     U = U0 − W S0
+    O      = scale (Q e^Γ) S0 + P U,            P[i, j] = scale Σ_c q_ic k_jc exp(Γ_ic − Γ_jc)   (j <= i)
+    S_next = e^{Γ_C} S0 + (K e^{Γ_C − Γ})ᵀ U
+
+Pairwise factors ``exp(Γ_i − Γ_j)`` are built per 16-token sub-block I of rows with the anchor ``a`` = the
+sub-block's first row: ``(k_i e^{Γ_i − Γ_a}) · (k_j e^{Γ_a − Γ_j})``. Columns of earlier sub-blocks give
+exponents ``<= 0``; the diagonal sub-block gives ``Γ_a − Γ_j <= 15 · 5 = 75`` nats when every ``g >= -5``
+(the bounded gate), finite in fp32, so with ``safe=False`` every causal sub-block, the diagonal one
+included, is one dense ``tl.dot``. Exponents of later (non-causal) columns are masked to 0 *before* ``exp``,
+so nothing overflows and future tokens never reach earlier outputs. With ``safe=True`` (the unbounded
+softplus gate) the diagonal sub-blocks are computed pair by pair with masked exponents ``<= 0``.
+
+Kernels: ``_prep`` (per chunk: Γ, A_qk, T by matmuls only, W, U0, and Q e^Γ, K e^{Γ_C − Γ}, e^{Γ_C} for
+the chunk loop), ``_fwd_state`` (per sequence and V block: the chunk loop that carries the state and writes
+O), and for the backward ``_bwd_state`` (the reverse chunk loop carrying dS) and ``_bwd_chunk`` (per chunk:
+all input gradients, dg from the suffix sums of dΓ). The backward recomputes the forward intermediates, so
+nothing but the inputs is kept between forward and backward (memory linear in T). With
+``use_gate_in_kernel`` the gate (raw input → log-decay) runs inside ``_prep`` and its backward in torch; the
+q/k L2 norm runs in torch before the kernels.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 64
+GATES = ("bounded", "softplus")
+L2NORM_EPS = 1e-6
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+@triton.jit
+def _row(x, r, i):
+    """Row ``i`` of a ``[64, N]`` tile as ``[N]``."""
+    return tl.sum(tl.where(r[:, None] == i, x, 0.0), axis=0)
+
+
+@triton.jit
+def _partner(x, jj, BK: tl.constexpr):
+    """``[64, BK]`` tile whose row t holds row ``16 * (t // 16) + jj`` of ``x``."""
+    x3 = tl.reshape(x, (4, 16, BK))
+    r16 = tl.arange(0, 16)
+    y = tl.sum(tl.where(r16[None, :, None] == jj, x3, 0.0), axis=1)
+    return tl.reshape(tl.broadcast_to(y[:, None, :], (4, 16, BK)), (64, BK))
+
+
+@triton.jit
+def _load_gamma(gam_ptr, offk, m2, rv, last_ptr, ck, mk):
+    """Γ of a chunk with rows past its end continued at Γ of the last valid row (keeps anchors bounded)."""
+    gam = tl.load(gam_ptr + offk, mask=m2, other=0.0)
+    glast = tl.load(last_ptr + ck, mask=mk, other=0.0)
+    return tl.where(rv[:, None], gam, glast[None, :]), glast
+
+
+# --------------------------------------------------------------------------------------------------- forward
+@triton.jit
+def _prep_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, a_ptr, dtb_ptr, gam_ptr, aqk_ptr, tinv_ptr, w_ptr, u_ptr, qg_ptr,
+                 kd_ptr, dl_ptr, cstart_ptr, cend_ptr, scale, lower_bound, H, K: tl.constexpr, V: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr, SAFE: tl.constexpr, STORE_T: tl.constexpr, GATE: tl.constexpr):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.load(cstart_ptr + c).to(tl.int64)
+    e = tl.load(cend_ptr + c).to(tl.int64)
+    r = tl.arange(0, 64)
+    t = s + r
+    rv = t < e
+    ck = tl.arange(0, BK)
+    mk = ck < K
+    m2 = rv[:, None] & mk[None, :]
+    offk = t[:, None] * (H * K) + h * K + ck[None, :]
+    g = tl.load(g_ptr + offk, mask=m2, other=0.0).to(tl.float32)
+    if GATE != 0:  # fused gate: g holds the raw input; x = g + dt_bias, a = exp(A_log)
+        x = g + tl.load(dtb_ptr + h * K + ck, mask=mk, other=0.0)[None, :]
+        a = tl.load(a_ptr + h)
+        if GATE == 1:
+            g = lower_bound * tl.sigmoid(a * x)
+        else:  # softplus(x) = max(x, 0) + log(1 + e^-|x|), with log(1 + y) ~ y (1 - y/2) for small y
+            y = tl.exp(-tl.abs(x))
+            g = -a * (tl.maximum(x, 0.0) + tl.where(y < 1e-4, y * (1.0 - 0.5 * y), tl.log(1.0 + y)))
+        g = tl.where(m2, g, 0.0)
+    gam = tl.cumsum(g, axis=0)  # rows past the end have g = 0: Γ continues flat
+    tl.store(gam_ptr + offk, gam, mask=m2)
+    kk = tl.load(k_ptr + offk, mask=m2, other=0.0).to(tl.float32)
+    qq = tl.load(q_ptr + offk, mask=m2, other=0.0).to(tl.float32)
+    beta = tl.load(b_ptr + t * H + h, mask=rv, other=0.0).to(tl.float32)
+
+    akk = tl.zeros((64, 64), dtype=tl.float32)
+    aqk = tl.zeros((64, 64), dtype=tl.float32)
+    for I in tl.static_range(4):
+        a = I * 16
+        ga = _row(gam, r, a)
+        in_i = (r >= a) & (r < a + 16)
+        el = tl.exp(tl.where(in_i[:, None], gam - ga[None, :], 0.0))
+        kl = tl.where(in_i[:, None], kk * el, 0.0)
+        ql = tl.where(in_i[:, None], qq * el, 0.0)
+        if SAFE:
+            cols = r < a
+        else:
+            cols = r < a + 16
+        kr = tl.where(cols[:, None], kk * tl.exp(tl.where(cols[:, None], ga[None, :] - gam, 0.0)), 0.0)
+        akk += tl.dot(kl, tl.trans(kr))
+        aqk += tl.dot(ql, tl.trans(kr))
+    if SAFE:
+        for jj in range(16):
+            ok = (r % 16) >= jj
+            gp = _partner(gam, jj, BK)
+            kp = _partner(kk, jj, BK)
+            kd = kp * tl.exp(tl.where(ok[:, None], gam - gp, 0.0))
+            sel = ok[:, None] & (r[None, :] == ((r // 16) * 16 + jj)[:, None])
+            akk += tl.where(sel, tl.sum(kk * kd, axis=1)[:, None], 0.0)
+            aqk += tl.where(sel, tl.sum(qq * kd, axis=1)[:, None], 0.0)
+    # what the sequential chunk loop needs: scale Q e^Γ, K e^{Γ_C − Γ} and e^{Γ_C} (Γ_C = last row: rows past
+    # the end continue flat)
+    glast = _row(gam, r, 63)
+    tl.store(qg_ptr + offk, qq * tl.exp(gam) * scale, mask=m2)
+    tl.store(kd_ptr + offk, kk * tl.exp(glast[None, :] - gam), mask=m2)
+    tl.store(dl_ptr + (c * H + h).to(tl.int64) * K + ck, tl.exp(glast), mask=mk)
+    akk = tl.where(r[:, None] > r[None, :], akk, 0.0) * beta[:, None]
+    aqk = tl.where(r[:, None] >= r[None, :], aqk, 0.0) * scale
+    off64 = t[:, None] * (H * 64) + h * 64 + r[None, :]
+    tl.store(aqk_ptr + off64, aqk, mask=rv[:, None])
+
+    # T = (I + A_kk)^-1 with matmuls only. A_kk = L + E, L inside the four 16x16 diagonal blocks, E below
+    # them. L^16 = 0 gives D = (I + L)^-1 = (I - L)(I + L^2)(I + L^4)(I + L^8); N = D E has N^4 = 0, so
+    # T = (I + N)^-1 D = (I - N)(I + N^2) D. Every factor is lower-triangular: row i reads rows <= i only.
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    same = (r[:, None] // 16) == (r[None, :] // 16)
+    lo = tl.where(same, akk, 0.0)
+    l2 = tl.dot(lo, lo, input_precision="tf32x3")
+    l4 = tl.dot(l2, l2, input_precision="tf32x3")
+    dinv = eye - lo
+    dinv += tl.dot(dinv, l2, input_precision="tf32x3")
+    dinv += tl.dot(dinv, l4, input_precision="tf32x3")
+    dinv += tl.dot(dinv, tl.dot(l4, l4, input_precision="tf32x3"), input_precision="tf32x3")
+    nn = tl.dot(dinv, tl.where(same, 0.0, akk), input_precision="tf32x3")
+    p = eye - nn
+    p += tl.dot(p, tl.dot(nn, nn, input_precision="tf32x3"), input_precision="tf32x3")
+    tinv = tl.dot(p, dinv, input_precision="tf32x3")
+    if STORE_T:
+        tl.store(tinv_ptr + off64, tinv, mask=rv[:, None])
+    w = tl.dot(tinv, kk * tl.exp(gam) * beta[:, None])
+    tl.store(w_ptr + offk, w, mask=m2)
+    for iv in tl.static_range(0, V, BV):
+        cv = iv + tl.arange(0, BV)
+        mv = cv < V
+        offv = t[:, None] * (H * V) + h * V + cv[None, :]
+        mv2 = rv[:, None] & mv[None, :]
+        vv = tl.load(v_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
+        u0 = tl.dot(tinv, vv * beta[:, None])
+        tl.store(u_ptr + offv, u0, mask=mv2)
+
+
+@triton.jit
+def _fwd_state_kernel(qg_ptr, kd_ptr, dl_ptr, w_ptr, u_ptr, aqk_ptr, o_ptr, h0_ptr, ht_ptr, hs_ptr, us_ptr,
+                      cu_ptr, coff_ptr, H, K: tl.constexpr, V: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
+                      STORE_H: tl.constexpr, WRITE_O: tl.constexpr):
+    iv = tl.program_id(0)
+    n = tl.program_id(1)
+    h = tl.program_id(2)
+    bos = tl.load(cu_ptr + n).to(tl.int64)
+    eos = tl.load(cu_ptr + n + 1).to(tl.int64)
+    coff = tl.load(coff_ptr + n).to(tl.int64)
+    nt = tl.cdiv(eos - bos, 64)
+    r = tl.arange(0, 64)
+    ck = tl.arange(0, BK)
+    mk = ck < K
+    cv = iv * BV + tl.arange(0, BV)
+    mv = cv < V
+    offs_s = ck[:, None] * V + cv[None, :]
+    ms = mk[:, None] & mv[None, :]
+    state_off = (n * H + h).to(tl.int64) * (K * V)
+    if HAS_H0:
+        S = tl.load(h0_ptr + state_off + offs_s, mask=ms, other=0.0).to(tl.float32)
+    else:
+        S = tl.zeros((BK, BV), dtype=tl.float32)
+    for i in range(0, nt):
+        t = bos + i * 64 + r
+        rv = t < eos
+        m2 = rv[:, None] & mk[None, :]
+        mv2 = rv[:, None] & mv[None, :]
+        offk = t[:, None] * (H * K) + h * K + ck[None, :]
+        offv = t[:, None] * (H * V) + h * V + cv[None, :]
+        if STORE_H:
+            tl.store(hs_ptr + ((coff + i) * H + h) * (K * V) + offs_s, S, mask=ms)
+        w = tl.load(w_ptr + offk, mask=m2, other=0.0)
+        u = tl.load(u_ptr + offv, mask=mv2, other=0.0) - tl.dot(w, S)
+        if STORE_H:
+            tl.store(us_ptr + offv, u, mask=mv2)
+        if WRITE_O:
+            qg = tl.load(qg_ptr + offk, mask=m2, other=0.0)
+            aqk = tl.load(aqk_ptr + t[:, None] * (H * 64) + h * 64 + r[None, :], mask=rv[:, None], other=0.0)
+            o = tl.dot(qg, S) + tl.dot(aqk, u)
+            tl.store(o_ptr + offv, o.to(o_ptr.dtype.element_ty), mask=mv2)
+        kd = tl.load(kd_ptr + offk, mask=m2, other=0.0)
+        dl = tl.load(dl_ptr + ((coff + i) * H + h) * K + ck, mask=mk, other=0.0)
+        S = S * dl[:, None] + tl.dot(tl.trans(kd), u)
+    if STORE_HT:
+        tl.store(ht_ptr + state_off + offs_s, S, mask=ms)
+
+
+# --------------------------------------------------------------------------------------------------- backward
+@triton.jit
+def _bwd_state_kernel(qg_ptr, kd_ptr, dl_ptr, w_ptr, aqk_ptr, do_ptr, dht_ptr, dh0_ptr, dhs_ptr, dus_ptr,
+                      cu_ptr, coff_ptr, H, K: tl.constexpr, V: tl.constexpr,
+                      BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr):
+    iv = tl.program_id(0)
+    n = tl.program_id(1)
+    h = tl.program_id(2)
+    bos = tl.load(cu_ptr + n).to(tl.int64)
+    eos = tl.load(cu_ptr + n + 1).to(tl.int64)
+    coff = tl.load(coff_ptr + n).to(tl.int64)
+    nt = tl.cdiv(eos - bos, 64)
+    r = tl.arange(0, 64)
+    ck = tl.arange(0, BK)
+    mk = ck < K
+    cv = iv * BV + tl.arange(0, BV)
+    mv = cv < V
+    offs_s = ck[:, None] * V + cv[None, :]
+    ms = mk[:, None] & mv[None, :]
+    state_off = (n * H + h).to(tl.int64) * (K * V)
+    if HAS_DHT:
+        dS = tl.load(dht_ptr + state_off + offs_s, mask=ms, other=0.0).to(tl.float32)
+    else:
+        dS = tl.zeros((BK, BV), dtype=tl.float32)
+    for j in range(0, nt):
+        i = nt - 1 - j
+        t = bos + i * 64 + r
+        rv = t < eos
+        m2 = rv[:, None] & mk[None, :]
+        mv2 = rv[:, None] & mv[None, :]
+        offk = t[:, None] * (H * K) + h * K + ck[None, :]
+        offv = t[:, None] * (H * V) + h * V + cv[None, :]
+        tl.store(dhs_ptr + ((coff + i) * H + h) * (K * V) + offs_s, dS, mask=ms)
+        do = tl.load(do_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
+        aqk = tl.load(aqk_ptr + t[:, None] * (H * 64) + h * 64 + r[None, :], mask=rv[:, None], other=0.0)
+        kd = tl.load(kd_ptr + offk, mask=m2, other=0.0)
+        du = tl.dot(tl.trans(aqk), do) + tl.dot(kd, dS)
+        tl.store(dus_ptr + offv, du, mask=mv2)
+        qg = tl.load(qg_ptr + offk, mask=m2, other=0.0)
+        w = tl.load(w_ptr + offk, mask=m2, other=0.0)
+        dl = tl.load(dl_ptr + ((coff + i) * H + h) * K + ck, mask=mk, other=0.0)
+        dS = dS * dl[:, None] + tl.dot(tl.trans(qg), do) - tl.dot(tl.trans(w), du)
+    if STORE_DH0:
+        tl.store(dh0_ptr + state_off + offs_s, dS, mask=ms)
+
+
+@triton.jit
+def _bwd_chunk_kernel(q_ptr, k_ptr, v_ptr, b_ptr, gam_ptr, tinv_ptr, hs_ptr, dhs_ptr, us_ptr, dus_ptr, do_ptr,
+                      dq_ptr, dk_ptr, dv_ptr, dg_ptr, db_ptr, cstart_ptr, cend_ptr, scale, H,
+                      K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SAFE: tl.constexpr):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.load(cstart_ptr + c).to(tl.int64)
+    e = tl.load(cend_ptr + c).to(tl.int64)
+    r = tl.arange(0, 64)
+    t = s + r
+    rv = t < e
+    ck = tl.arange(0, BK)
+    mk = ck < K
+    m2 = rv[:, None] & mk[None, :]
+    offk = t[:, None] * (H * K) + h * K + ck[None, :]
+    off64 = t[:, None] * (H * 64) + h * 64 + r[None, :]
+    gam, glast = _load_gamma(gam_ptr, offk, m2, rv, gam_ptr + (e - 1) * (H * K) + h * K, ck, mk)
+    kk = tl.load(k_ptr + offk, mask=m2, other=0.0).to(tl.float32)
+    qq = tl.load(q_ptr + offk, mask=m2, other=0.0).to(tl.float32)
+    beta = tl.load(b_ptr + t * H + h, mask=rv, other=0.0).to(tl.float32)
+    tinv = tl.load(tinv_ptr + off64, mask=rv[:, None], other=0.0)
+    state_off = (c * H + h).to(tl.int64) * (K * V)
+
+    dqg = tl.zeros((64, BK), dtype=tl.float32)  # d(Q e^Γ) / scale
+    dkd = tl.zeros((64, BK), dtype=tl.float32)  # d(K e^{Γ_C − Γ})
+    dw = tl.zeros((64, BK), dtype=tl.float32)
+    dp = tl.zeros((64, 64), dtype=tl.float32)
+    dt = tl.zeros((64, 64), dtype=tl.float32)
+    dbeta = tl.zeros((64,), dtype=tl.float32)
+    dgc = tl.zeros((BK,), dtype=tl.float32)
+    for iv in tl.static_range(0, V, BV):
+        cv = iv + tl.arange(0, BV)
+        mv = cv < V
+        mv2 = rv[:, None] & mv[None, :]
+        ms = mk[:, None] & mv[None, :]
+        offv = t[:, None] * (H * V) + h * V + cv[None, :]
+        offs_s = ck[:, None] * V + cv[None, :]
+        s0 = tl.load(hs_ptr + state_off + offs_s, mask=ms, other=0.0)
+        dsc = tl.load(dhs_ptr + state_off + offs_s, mask=ms, other=0.0)
+        do = tl.load(do_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
+        u = tl.load(us_ptr + offv, mask=mv2, other=0.0)
+        du = tl.load(dus_ptr + offv, mask=mv2, other=0.0)
+        vv = tl.load(v_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
+        dqg += tl.dot(do, tl.trans(s0))
+        dp += tl.dot(do, tl.trans(u))
+        dkd += tl.dot(u, tl.trans(dsc))
+        dw -= tl.dot(du, tl.trans(s0))
+        tdu = tl.dot(tl.trans(tinv), du)
+        tl.store(dv_ptr + offv, (tdu * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=mv2)
+        dbeta += tl.sum(vv * tdu, axis=1)
+        dt += tl.dot(du, tl.trans(vv * beta[:, None]))
+        dgc += tl.sum(s0 * dsc, axis=1)
+    # Accumulate dq, dk and dΓ term by term, so each intermediate dies early (register pressure).
+    eg = tl.exp(gam)
+    kg = kk * eg
+    ed = tl.exp(glast[None, :] - gam)
+    dq = dqg * eg * scale
+    dgam = qq * dq
+    dk = dkd * ed
+    # The Γ_C − Γ_t terms (K e^{Γ_C − Γ}) and Γ_C (e^{Γ_C} S0) add Σ_{t<s} Kd_t dKd_t + e^{Γ_C} Σ_v S0 dS_C to
+    # dg_s: an exclusive prefix sum (row shift by a 0/1 matmul), so no large term is added and taken away again.
+    shift = tl.where(r[:, None] == r[None, :] + 1, 1.0, 0.0)
+    dg_end = tl.cumsum(tl.dot(shift, kk * ed * dkd, input_precision="tf32x3"), axis=0) + (tl.exp(glast) * dgc)[None, :]
+    tdw = tl.dot(tl.trans(tinv), dw)
+    dkg = tdw * beta[:, None]
+    dbeta += tl.sum(kg * tdw, axis=1)
+    dt += tl.dot(dw, tl.trans(kg * beta[:, None]))
+    dk += dkg * eg
+    dgam += kg * dkg
+    da = -tl.dot(tl.trans(tinv), tl.dot(dt, tl.trans(tinv)))
+    da = tl.where(r[:, None] > r[None, :], da, 0.0)
+    # The diagonal of dP adds dP_ii (q_i k_iᵀ-terms) to dq and dk but exactly nothing to dΓ; kept out of the
+    # pairwise terms so dΓ does not carry its rounding (it dominates dg when the decay is strong).
+    dp_diag = tl.sum(tl.where(r[:, None] == r[None, :], dp, 0.0), axis=1) * scale
+    dp = tl.where(r[:, None] > r[None, :], dp, 0.0) * scale
+    dq += dp_diag[:, None] * kk
+    dk += dp_diag[:, None] * qq
+
+    # Pairwise terms, row side: X_i = Σ_{j<i} d[i, j] k_j e^{Γ_i − Γ_j}, anchor = first row of i's sub-block.
+    xp = tl.zeros((64, BK), dtype=tl.float32)
+    xa = tl.zeros((64, BK), dtype=tl.float32)
+    for I in tl.static_range(4):
+        a = I * 16
+        in_i = (r >= a) & (r < a + 16)
+        ga = _row(gam, r, a)
+        if SAFE:
+            cols = r < a
+        else:
+            cols = r < a + 16
+        kr = tl.where(cols[:, None], kk * tl.exp(tl.where(cols[:, None], ga[None, :] - gam, 0.0)), 0.0)
+        el = tl.exp(tl.where(in_i[:, None], gam - ga[None, :], 0.0))
+        xp += tl.where(in_i[:, None], el * tl.dot(dp, kr), 0.0)
+        xa += tl.where(in_i[:, None], el * tl.dot(da, kr), 0.0)
+    if SAFE:
+        for jj in range(16):
+            ok = (r % 16) >= jj  # the partner is an earlier (or the same) token
+            sel = ok[:, None] & (r[None, :] == ((r // 16) * 16 + jj)[:, None])
+            ex = tl.exp(tl.where(ok[:, None], gam - _partner(gam, jj, BK), 0.0)) * _partner(kk, jj, BK)
+            xp += tl.sum(tl.where(sel, dp, 0.0), axis=1)[:, None] * ex
+            xa += tl.sum(tl.where(sel, da, 0.0), axis=1)[:, None] * ex
+    dq += xp
+    dk += xa * beta[:, None]
+    dbeta += tl.sum(kk * xa, axis=1)
+    dgam += qq * xp + kk * xa * beta[:, None]
+
+    # Column side: Y_j = Σ_{i>j} d[i, j] x_i e^{Γ_i − Γ_j}. Dense: anchor = first row of j's sub-block (no later
+    # token can move the rounding); safe: rows of later sub-blocks only, anchor = the sub-block's last row
+    # (those products vanish when the rows after a changed token carry no gradient).
+    dm = da * beta[:, None]
+    yp = tl.zeros((64, BK), dtype=tl.float32)
+    ym = tl.zeros((64, BK), dtype=tl.float32)
+    for I in tl.static_range(4):
+        a = I * 16
+        in_i = (r >= a) & (r < a + 16)
+        if SAFE:
+            gb = _row(gam, r, a + 15)
+            rows = r >= a + 16
+        else:
+            gb = _row(gam, r, a)
+            rows = r >= a
+        er = tl.exp(tl.where(rows[:, None], gam - gb[None, :], 0.0))
+        qt = tl.where(rows[:, None], qq * er, 0.0)
+        kt = tl.where(rows[:, None], kk * er, 0.0)
+        ej = tl.exp(tl.where(in_i[:, None], gb[None, :] - gam, 0.0))
+        yp += tl.where(in_i[:, None], ej * tl.dot(tl.trans(dp), qt), 0.0)
+        ym += tl.where(in_i[:, None], ej * tl.dot(tl.trans(dm), kt), 0.0)
+    if SAFE:
+        dpt = tl.trans(dp)
+        dmt = tl.trans(dm)
+        for jj in range(16):
+            ok = (r % 16) <= jj  # the partner is a later (or the same) token
+            sel = ok[:, None] & (r[None, :] == ((r // 16) * 16 + jj)[:, None])
+            gp = _partner(gam, jj, BK)
+            ey = tl.exp(tl.where(ok[:, None], gp - gam, 0.0))
+            yp += tl.sum(tl.where(sel, dpt, 0.0), axis=1)[:, None] * (ey * _partner(qq, jj, BK))
+            ym += tl.sum(tl.where(sel, dmt, 0.0), axis=1)[:, None] * (ey * _partner(kk, jj, BK))
+    dk += yp + ym
+    dgam -= kk * (yp + ym)
+    dg = tl.sum(dgam, axis=0)[None, :] - tl.cumsum(dgam, axis=0) + dgam + dg_end  # suffix sums of dΓ
+    tl.store(dq_ptr + offk, dq.to(dq_ptr.dtype.element_ty), mask=m2)
+    tl.store(dk_ptr + offk, dk.to(dk_ptr.dtype.element_ty), mask=m2)
+    tl.store(dg_ptr + offk, dg.to(dg_ptr.dtype.element_ty), mask=m2)
+    tl.store(db_ptr + t * H + h, dbeta.to(db_ptr.dtype.element_ty), mask=rv)
+
+
+# --------------------------------------------------------------------------------------------------- decode
+@triton.jit
+def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, h0_ptr, ht_ptr, cu_ptr, scale, H,
+                      K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      HAS_H0: tl.constexpr, STORE_HT: tl.constexpr):
+    iv = tl.program_id(0)
+    n = tl.program_id(1)
+    h = tl.program_id(2)
+    bos = tl.load(cu_ptr + n).to(tl.int64)
+    eos = tl.load(cu_ptr + n + 1).to(tl.int64)
+    ck = tl.arange(0, BK)
+    mk = ck < K
+    cv = iv * BV + tl.arange(0, BV)
+    mv = cv < V
+    offs_s = ck[:, None] * V + cv[None, :]
+    ms = mk[:, None] & mv[None, :]
+    state_off = (n * H + h).to(tl.int64) * (K * V)
+    if HAS_H0:
+        S = tl.load(h0_ptr + state_off + offs_s, mask=ms, other=0.0).to(tl.float32)
+    else:
+        S = tl.zeros((BK, BV), dtype=tl.float32)
+    for t in range(bos, eos):
+        offk = t * (H * K) + h * K + ck
+        offv = t * (H * V) + h * V + cv
+        kt = tl.load(k_ptr + offk, mask=mk, other=0.0).to(tl.float32)
+        qt = tl.load(q_ptr + offk, mask=mk, other=0.0).to(tl.float32) * scale
+        gt = tl.load(g_ptr + offk, mask=mk, other=0.0).to(tl.float32)
+        vt = tl.load(v_ptr + offv, mask=mv, other=0.0).to(tl.float32)
+        bt = tl.load(b_ptr + t * H + h).to(tl.float32)
+        S = S * tl.exp(gt)[:, None]
+        u = (vt - tl.sum(S * kt[:, None], axis=0)) * bt
+        S = S + kt[:, None] * u[None, :]
+        o = tl.sum(S * qt[:, None], axis=0)
+        tl.store(o_ptr + offv, o.to(o_ptr.dtype.element_ty), mask=mv)
+    if STORE_HT:
+        tl.store(ht_ptr + state_off + offs_s, S, mask=ms)
+
+
+# --------------------------------------------------------------------------------------------------- host side
+def _chunk_tables(B, T, cu_seqlens, device):
+    """Sequence and chunk tables: ``cu [N+1]``, ``coff [N+1]`` (first chunk of each sequence), ``cstart, cend [NC]``."""
+    if cu_seqlens is None:
+        cu = torch.arange(0, B + 1, device=device, dtype=torch.int64) * T
+    else:
+        cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    lens = cu[1:] - cu[:-1]
+    nt = (lens + CHUNK - 1) // CHUNK
+    coff = torch.cat([nt.new_zeros(1), nt.cumsum(0)])
+    NC = B * triton.cdiv(T, CHUNK) if cu_seqlens is None else int(coff[-1])
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=device), nt, output_size=NC)
+    idx = torch.arange(NC, device=device) - coff[seq]
+    cstart = cu[seq] + idx * CHUNK
+    cend = torch.minimum(cstart + CHUNK, cu[seq + 1])
+    i32 = torch.int32
+    return cu.to(i32), coff.to(i32), cstart.to(i32), cend.to(i32), NC
+
+
+def _pow2(n):
+    return max(32, triton.next_power_of_2(n))  # 16-wide fp32 tiles hit a shared-memory fault in triton 3.6
+
+
+def _launch_cfg(K, V):
+    BK, BVf = _pow2(K), _pow2(V)
+    return BK, BVf, min(BVf, 32)  # V split in 32-wide blocks: more programs for the sequential chunk loop
+
+
+def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state, for_backward=False):
+    """Run the forward kernels on flat ``[TT, H, *]`` tensors; ``gate = (mode, exp(A_log) [H], dt_bias [H*K],
+    lower_bound)`` (mode 0: ``g`` is the log-decay; 1 bounded / 2 softplus: ``g`` is the raw gate input).
+    Returns a dict of outputs and intermediates."""
+    TT, H, K = q.shape
+    V = v.shape[-1]
+    cu, coff, cstart, cend, NC = tables
+    N = cu.numel() - 1
+    BK, BVf, BV = _launch_cfg(K, V)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    gam = torch.empty(TT, H, K, **f32)
+    aqk = torch.empty(TT, H, 64, **f32)
+    tinv = torch.empty(TT, H, 64, **f32) if for_backward else aqk
+    w = torch.empty(TT, H, K, **f32)
+    u0 = torch.empty(TT, H, V, **f32)
+    qg = torch.empty(TT, H, K, **f32)
+    kd = torch.empty(TT, H, K, **f32)
+    dl = torch.empty(max(NC, 1), H, K, **f32)
+    nw = 8 if q.is_cuda else 4
+    if NC > 0:
+        mode, a, dtb, lb = gate
+        _prep_kernel[(NC, H)](q, k, v, g, beta, a, dtb, gam, aqk, tinv, w, u0, qg, kd, dl, cstart, cend, scale, lb,
+                              H, K, V, BK, BVf, SAFE=safe, STORE_T=for_backward, GATE=mode, num_warps=nw)
+    out = dict(gam=gam, aqk=aqk, tinv=tinv, w=w, qg=qg, kd=kd, dl=dl)
+    ht = torch.empty(N, H, K, V, **f32) if (output_final_state and not for_backward) else None
+    o = None if for_backward else torch.empty(TT, H, V, device=q.device, dtype=q.dtype)
+    hs = torch.empty(max(NC, 1), H, K, V, **f32) if for_backward else gam
+    us = torch.empty(TT, H, V, **f32) if for_backward else u0
+    grid = (triton.cdiv(V, BV), N, H)
+    _fwd_state_kernel[grid](qg, kd, dl, w, u0, aqk, o if o is not None else us, h0 if h0 is not None else gam,
+                            ht if ht is not None else gam, hs, us, cu, coff, H, K, V, BK, BV,
+                            HAS_H0=h0 is not None, STORE_HT=ht is not None, STORE_H=for_backward,
+                            WRITE_O=not for_backward, num_warps=nw, num_stages=1)
+    out.update(o=o, ht=ht, hs=hs, us=us)
+    return out
+
+
+def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht):
+    TT, H, K = q.shape
+    V = v.shape[-1]
+    cu, coff, cstart, cend, NC = tables
+    N = cu.numel() - 1
+    BK, BVf, BV = _launch_cfg(K, V)
+    fw = _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, False, for_backward=True)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    dhs = torch.empty(max(NC, 1), H, K, V, **f32)
+    dus = torch.empty(TT, H, V, **f32)
+    dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
+    do = do.contiguous()
+    _bwd_state_kernel[(triton.cdiv(V, BV), N, H)](
+        fw["qg"], fw["kd"], fw["dl"], fw["w"], fw["aqk"], do, dht if dht is not None else dhs,
+        dh0 if dh0 is not None else dhs, dhs, dus, cu, coff, H, K, V, BK, BV, HAS_DHT=dht is not None,
+        STORE_DH0=dh0 is not None, num_warps=8 if q.is_cuda else 4, num_stages=1)
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    dg = torch.empty_like(g) if gate[0] == 0 else torch.empty(g.shape, device=g.device, dtype=torch.float32)
+    dv = torch.empty_like(v)
+    db = torch.empty_like(beta)
+    if NC > 0:
+        _bwd_chunk_kernel[(NC, H)](q, k, v, beta, fw["gam"], fw["tinv"], fw["hs"], dhs, fw["us"], dus, do,
+                                   dq, dk, dv, dg, db, cstart, cend, scale, H, K, V, BK, BV, SAFE=safe,
+                                   num_warps=8 if q.is_cuda else 4)
+    return dq, dk, dv, dg, db, dh0
+
+
+class _ChunkKDAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, scale, h0, output_final_state, cu_seqlens, safe, mode, lb):
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        tables = _chunk_tables(B, T, cu_seqlens, q.device)
+        flat = [x.contiguous().reshape(B * T, H, -1) for x in (q, k, v, g)]
+        bflat = beta.contiguous().reshape(B * T, H)
+        h0c = None if h0 is None else h0.contiguous()
+        fw = _forward(*flat, bflat, _gate_args(mode, A_log, dt_bias, lb, H, K, q.device), scale, h0c, tables, safe,
+                      output_final_state)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0)
+        ctx.tables, ctx.scale, ctx.safe, ctx.mode, ctx.lb = tables, scale, safe, mode, lb
+        return fw["o"].reshape(B, T, H, V), fw["ht"]
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, A_log, dt_bias, h0 = ctx.saved_tensors
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        flat = [x.contiguous().reshape(B * T, H, -1) for x in (q, k, v, g)]
+        bflat = beta.contiguous().reshape(B * T, H)
+        if do is None:
+            do = torch.zeros_like(v)
+        dht = None if dht is None else dht.float().contiguous()
+        h0c = None if h0 is None else h0.float().contiguous()
+        gate = _gate_args(ctx.mode, A_log, dt_bias, ctx.lb, H, K, q.device)
+        dq, dk, dv, dg, db, dh0 = _backward(*flat, bflat, gate, ctx.scale, h0c, ctx.tables, ctx.safe,
+                                            do.reshape(B * T, H, V), dht)
+        dg = dg.reshape(g.shape)
+        dA_log = ddt_bias = None
+        if ctx.mode != 0:  # chain rule through the gate, in torch
+            leaves = [x.detach().requires_grad_() if x is not None else None for x in (g, A_log, dt_bias)]
+            with torch.enable_grad():
+                out = _gate_torch(leaves[0], leaves[1], leaves[2], ctx.mode, ctx.lb)
+                needed = [x for x in leaves if x is not None]
+                grads = iter(torch.autograd.grad(out, needed, dg))
+            dg, dA_log, ddt_bias = (next(grads) if x is not None else None for x in leaves)
+        dh0 = None if dh0 is None else dh0.to(h0.dtype)
+        return (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), dg.to(g.dtype), db.reshape(beta.shape),
+                dA_log, ddt_bias, None, dh0, None, None, None, None, None)
+
+
+def _gate_args(mode, A_log, dt_bias, lb, H, K, device):
+    """Kernel arguments of the fused gate: ``(mode, exp(A_log) [H] fp32, dt_bias [H*K] fp32, lower_bound)``."""
+    if mode == 0:
+        dummy = torch.empty(1, device=device, dtype=torch.float32)
+        return 0, dummy, dummy, 0.0
+    a = torch.ones(H, device=device) if A_log is None else A_log.detach().float().exp().contiguous()
+    dtb = torch.zeros(H * K, device=device) if dt_bias is None else dt_bias.detach().float().reshape(H * K).contiguous()
+    return mode, a, dtb, float(lb)
+
+
+def _gate_torch(g_raw, A_log, dt_bias, mode, lb):
+    """The gate in torch (fp32): mode 1 ``lb * sigmoid(exp(A_log) * x)``, mode 2 ``-exp(A_log) * softplus(x)``,
+    ``x = g_raw + dt_bias``."""
+    H, K = g_raw.shape[-2:]
+    x = g_raw.float()
+    if dt_bias is not None:
+        x = x + dt_bias.float().reshape(H, K)
+    a = A_log.float().exp().reshape(H, 1) if A_log is not None else 1.0
+    return lb * torch.sigmoid(a * x) if mode == 1 else -a * torch.nn.functional.softplus(x)
+
+
+def _check(q, k, v, g, beta, initial_state, cu_seqlens, gate):
+    if q.dim() != 4 or k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(f"q, k, g must share the shape [B, T, H, K], "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(g.shape)}")
+    B, T, H, K = q.shape
+    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must have shape [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}")
+    if beta.shape != q.shape[:3]:
+        raise ValueError(f"beta must have shape [B, T, H] = [{B}, {T}, {H}], got {tuple(beta.shape)}")
+    if K > 256 or v.shape[-1] > 256:
+        raise ValueError(f"head dims up to 256 are supported, got K={K}, V={v.shape[-1]}")
+    if gate not in GATES:
+        raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
+    N = B
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the batch size must be 1, got B={B}")
+        N = cu_seqlens.numel() - 1
+    if initial_state is not None and tuple(initial_state.shape) != (N, H, K, v.shape[-1]):
+        raise ValueError(f"initial_state must have shape [{N}, {H}, {K}, {v.shape[-1]}], "
+                         f"got {tuple(initial_state.shape)}")
+
+
+def _l2norm(q, k):
+    """q/k L2 norm over the head dim (eps 1e-6), in fp32, back in the input dtype; autograd-differentiable."""
+    return tuple((x.float() * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
+                 for x in (q, k))
+
+
+def _safe_path(gate, lower_bound):
+    """Dense diagonal sub-blocks need every g >= -5 (a 16-token sub-block then spans <= 75 nats)."""
+    if gate == "softplus":
+        return True
+    return lower_bound is not None and float(lower_bound) < -5.0
+
+
+def chunk_kda_triton(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, *,
+                     use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                     lower_bound=None, gate="bounded"):
+    """Chunked KDA on Triton, differentiable (Triton forward and backward).
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta: ``[B, T, H]``; g: ``[B, T, H, K]`` log-decay, or the
+            raw gate input when ``use_gate_in_kernel``. With ``gate="bounded"`` the caller guarantees
+            ``g >= -5`` (the dense diagonal path); ``gate="softplus"`` takes the safe path for any ``g <= 0``.
+        scale: query scale, default ``K ** -0.5``.
+        initial_state: ``[N, H, K, V]`` or None; N = B, or the number of documents with ``cu_seqlens``.
+        output_final_state: also return the final state ``[N, H, K, V]`` fp32.
+        cu_seqlens: ``[N+1]`` document boundaries packed in one row (B must be 1).
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, gate: as ``kda.chunk_kda``.
+
+    Returns:
+        ``(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] fp32 or None)``.
+    """
+    _check(q, k, v, g, beta, initial_state, cu_seqlens, gate)
+    if use_qk_l2norm_in_kernel:
+        q, k = _l2norm(q, k)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    safe = _safe_path(gate, lower_bound)
+    mode, lb = 0, 0.0
+    if use_gate_in_kernel:  # computed inside the prep kernel from the raw input
+        mode = 1 if gate == "bounded" else 2
+        lb = -5.0 if lower_bound is None else float(lower_bound)
+    else:
+        A_log = dt_bias = None
+    return _ChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+                                   cu_seqlens, safe, mode, lb)
+
+
+def recurrent_kda_triton(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                         *, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                         lower_bound=None, gate="bounded"):
+    """Token-by-token KDA on Triton for decoding (no autograd). Arguments and returns as ``chunk_kda_triton``.
+
+    When ``initial_state`` is a contiguous fp32 tensor and ``output_final_state`` is set, the final state is
+    written into ``initial_state`` in place and that same tensor is returned.
+    """
+    _check(q, k, v, g, beta, initial_state, cu_seqlens, gate)
+    with torch.no_grad():
+        if use_qk_l2norm_in_kernel:
+            q, k = _l2norm(q, k)
+        if use_gate_in_kernel:
+            lb = -5.0 if lower_bound is None else float(lower_bound)
+            g = _gate_torch(g, A_log, dt_bias, 1 if gate == "bounded" else 2, lb)
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        scale = K ** -0.5 if scale is None else float(scale)
+        if cu_seqlens is None:
+            cu = torch.arange(0, B + 1, device=q.device, dtype=torch.int32) * T
+        else:
+            cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        N = cu.numel() - 1
+        flat = [x.contiguous().reshape(B * T, H, -1) for x in (q, k, v, g)]
+        bflat = beta.contiguous().reshape(B * T, H)
+        h0 = initial_state
+        if h0 is not None and not (h0.dtype == torch.float32 and h0.is_contiguous()):
+            h0 = h0.float().contiguous()
+        ht = None
+        if output_final_state:
+            ht = h0 if h0 is not None else torch.empty(N, H, K, V, device=q.device, dtype=torch.float32)
+        o = torch.empty(B * T, H, V, device=q.device, dtype=q.dtype)
+        BK, _, BV = _launch_cfg(K, V)
+        _recurrent_kernel[(triton.cdiv(V, BV), N, H)](
+            *flat, bflat, o, h0 if h0 is not None else o, ht if ht is not None else o, cu, scale, H, K, V, BK, BV,
+            HAS_H0=h0 is not None, STORE_HT=ht is not None, num_warps=4)
+    return o.reshape(B, T, H, V), ht

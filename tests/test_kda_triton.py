@@ -1,0 +1,284 @@
+"""Triton KDA kernels against the float64 references of ``kda.py``.
+
+Without a GPU the kernels run under ``TRITON_INTERPRET=1`` on tiny shapes (fp32 inputs, tight tolerances).
+The flag must be set before triton is first imported; when another test module imported triton earlier in
+this process, ``test_kernels_in_interpreter_subprocess`` reruns this file in a fresh interpreter process.
+On a GPU the same tests run on the device, plus the long-sequence sweeps marked ``gpu_only``.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # takes effect only before the first import of triton
+pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from kdamoe.model import kda, kda_triton  # noqa: E402
+
+NEEDS_SUBPROCESS = not ON_GPU and type(tl.cumsum).__name__ != "InterpretedFunction"
+kernel_test = pytest.mark.skipif(NEEDS_SUBPROCESS, reason="triton was imported without TRITON_INTERPRET: "
+                                 "these run in test_kernels_in_interpreter_subprocess")
+
+DEV = "cuda" if ON_GPU else "cpu"
+TOL = 5e-3 if ON_GPU else 1e-4  # tf32 matmuls on the GPU, exact fp32 in the interpreter
+GRAD_TOL = 1e-2 if ON_GPU else 1e-4
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
+
+
+@pytest.mark.skipif(not NEEDS_SUBPROCESS, reason="the kernels run in this process")
+def test_kernels_in_interpreter_subprocess():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                         env=env, capture_output=True, text=True, timeout=1200)
+    assert res.returncode == 0 and " passed" in res.stdout, res.stdout[-4000:] + res.stderr[-2000:]
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def make_inputs(B, T, H, K, V, gate="bounded", dtype=torch.float32, g_scale=1.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen)
+    beta = torch.rand(B, T, H, generator=gen)
+    if gate == "bounded":
+        g = -5.0 * torch.rand(B, T, H, K, generator=gen)  # the full bounded range [-5, 0]
+    else:
+        g = -F.softplus(3.0 * torch.randn(B, T, H, K, generator=gen)) * 4.0 * g_scale  # reaches ~ -40 per token
+    return [x.to(DEV, dtype) for x in (q, k, v, g, beta)]
+
+
+def oracle(q, k, v, g, beta, h0=None, cu_seqlens=None):
+    """The float64 naive recurrence (short T) or float64 torch chunked path (long T)."""
+    xs = [x.double() for x in (q, k, v, g, beta)]
+    h0 = None if h0 is None else h0.double()
+    if q.shape[1] <= 2048:
+        return kda.naive_recurrent_kda(*xs, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
+    return kda.chunk_kda(*xs, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens, backend="torch")
+
+
+@kernel_test
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+@pytest.mark.parametrize("T,K,V", [(1, 16, 32), (70, 16, 32), (130, 32, 16)])
+def test_forward_matches_oracle(gate, T, K, V):
+    q, k, v, g, beta = make_inputs(2, T, 2, K, V, gate)
+    h0 = torch.randn(2, 2, K, V, device=DEV)
+    o, ht = kda_triton.chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, gate=gate)
+    ro, rht = oracle(q, k, v, g, beta, h0)
+    assert o.dtype == q.dtype and ht.dtype == torch.float32
+    assert rel(o, ro) < TOL and rel(ht, rht) < TOL
+
+
+@kernel_test
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_backward_matches_oracle(gate):
+    inputs = make_inputs(1, 100, 2, 16, 32, gate) + [torch.randn(1, 2, 16, 32, device=DEV)]
+    xs = [x.clone().requires_grad_() for x in inputs]
+    ys = [x.double().clone().requires_grad_() for x in inputs]
+    o, ht = kda_triton.chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True, gate=gate)
+    ro, rht = kda.naive_recurrent_kda(*ys[:5], initial_state=ys[5], output_final_state=True)
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    torch.autograd.backward([o, ht], [do, dht])
+    torch.autograd.backward([ro, rht], [do.double(), dht.double()])
+    for name, x, y in zip("q k v g beta h0".split(), xs, ys):
+        assert rel(x.grad, y.grad) < GRAD_TOL, name
+
+
+@kernel_test
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_varlen_forward_backward(gate):
+    lengths = [3, 0, 64, 67]  # an empty document, a full chunk, a partial chunk
+    cu = torch.tensor([0, 3, 3, 67, 134], device=DEV)
+    inputs = make_inputs(1, sum(lengths), 2, 16, 16, gate) + [torch.randn(4, 2, 16, 16, device=DEV)]
+    xs = [x.clone().requires_grad_() for x in inputs]
+    ys = [x.double().clone().requires_grad_() for x in inputs]
+    o, ht = kda_triton.chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu, gate=gate)
+    ro, rht = kda.naive_recurrent_kda(*ys[:5], initial_state=ys[5], output_final_state=True, cu_seqlens=cu)
+    assert rel(o, ro) < TOL and rel(ht, rht) < TOL
+    torch.autograd.backward([o, ht], [torch.ones_like(o), torch.ones_like(ht)])
+    torch.autograd.backward([ro, rht], [torch.ones_like(ro), torch.ones_like(rht)])
+    for name, x, y in zip("q k v g beta h0".split(), xs, ys):
+        assert rel(x.grad, y.grad) < GRAD_TOL, name
+
+
+@kernel_test
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_causality_bit_exact(gate):
+    """Changing tokens >= t0 leaves outputs < t0 and the gradients of their loss w.r.t. inputs < t0 bit-identical."""
+    T, t0 = 100, 37  # t0 inside the first chunk, mid sub-block
+    a = make_inputs(1, T, 2, 16, 16, gate, seed=1)
+    b = [x.clone() for x in a]
+    c = make_inputs(1, T, 2, 16, 16, gate, seed=2)
+    for x, y in zip(b, c):
+        x[:, t0:] = y[:, t0:]
+    if gate == "softplus":
+        b[3][:, t0:] = -60.0  # far beyond any bounded range
+    res = []
+    for inputs in (a, b):
+        xs = [x.clone().requires_grad_() for x in inputs]
+        o, _ = kda_triton.chunk_kda_triton(*xs, gate=gate)
+        o[:, :t0].pow(2).sum().backward()
+        res.append([o[:, :t0]] + [x.grad[:, :t0] for x in xs])
+    for ra, rb in zip(*res):
+        assert torch.isfinite(rb).all()
+        assert torch.equal(ra, rb)
+
+
+@kernel_test
+@pytest.mark.parametrize("gate,value", [("bounded", -5.0), ("softplus", -30.0), ("bounded", 0.0)])
+def test_extreme_gates_gradients(gate, value):
+    """Gates pinned at the bound, far past it (softplus), or at zero: every gradient, dg included, stays accurate."""
+    q, k, v, g, beta = make_inputs(1, 100, 2, 32, 32, gate)
+    inputs = [q, k, v, torch.full_like(g, value), beta, torch.randn(1, 2, 32, 32, device=DEV)]
+    xs = [x.clone().requires_grad_() for x in inputs]
+    ys = [x.double().clone().requires_grad_() for x in inputs]
+    o, ht = kda_triton.chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True, gate=gate)
+    ro, rht = kda.naive_recurrent_kda(*ys[:5], initial_state=ys[5], output_final_state=True)
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    torch.autograd.backward([o, ht], [do, dht])
+    torch.autograd.backward([ro, rht], [do.double(), dht.double()])
+    assert rel(o, ro) < TOL
+    for name, x, y in zip("q k v g beta h0".split(), xs, ys):
+        assert rel(x.grad, y.grad) < GRAD_TOL, name
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inputs(dtype):
+    q, k, v, g, beta = make_inputs(1, 80, 2, 32, 32, dtype=dtype)
+    o, ht = kda_triton.chunk_kda_triton(q, k, v, g, beta, output_final_state=True)
+    ro, rht = oracle(q, k, v, g, beta)
+    assert o.dtype == dtype
+    assert rel(o, ro) < 1e-2 and rel(ht, rht) < 5e-3
+
+
+@kernel_test
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_fused_gate_and_l2norm_match_torch_backend(gate):
+    B, T, H, K, V = 1, 40, 2, 16, 16
+    gen = torch.Generator().manual_seed(3)
+    q, k, g_raw = (torch.randn(B, T, H, K, generator=gen).to(DEV) for _ in range(3))
+    v = torch.randn(B, T, H, V, generator=gen).to(DEV)
+    beta = torch.rand(B, T, H, generator=gen).to(DEV)
+    A_log = torch.rand(H, generator=gen).to(DEV)
+    dt_bias = torch.randn(H * K, generator=gen).to(DEV)
+    lb = -5.0 if gate == "bounded" else None
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=lb)
+    leaves = [x.clone().requires_grad_() for x in (q, k, g_raw, A_log, dt_bias)]
+    o, _ = kda_triton.chunk_kda_triton(leaves[0], leaves[1], v, leaves[2], beta, gate=gate,
+                                       **{**kw, "A_log": leaves[3], "dt_bias": leaves[4]})
+    o.sum().backward()
+    ref_leaves = [x.double().clone().requires_grad_() for x in (q, k, g_raw, A_log, dt_bias)]
+    ro, _ = kda.chunk_kda(ref_leaves[0], ref_leaves[1], v.double(), ref_leaves[2], beta.double(), gate=gate,
+                          backend="torch", **{**kw, "A_log": ref_leaves[3], "dt_bias": ref_leaves[4]})
+    ro.sum().backward()
+    assert rel(o, ro) < TOL
+    for x, y in zip(leaves, ref_leaves):
+        assert rel(x.grad, y.grad) < GRAD_TOL
+
+
+@kernel_test
+def test_recurrent_matches_oracle_and_updates_state_in_place():
+    B, H, K, V = 2, 2, 16, 32
+    q, k, v, g, beta = make_inputs(B, 3, H, K, V, "softplus")
+    h0 = torch.randn(B, H, K, V, device=DEV)
+    state = h0.clone()
+    o, ht = kda_triton.recurrent_kda_triton(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    ro, rht = oracle(q, k, v, g, beta, h0)
+    assert ht is state
+    assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
+    cu = torch.tensor([0, 2, 6], device=DEV)
+    flat = [x.reshape(1, B * 3, *x.shape[2:]) for x in (q, k, v, g, beta)]
+    o2, ht2 = kda_triton.recurrent_kda_triton(*flat, initial_state=h0[:, :, :, :].clone(), output_final_state=True,
+                                              cu_seqlens=cu)
+    ro2, rht2 = kda.naive_recurrent_kda(*[x.double() for x in flat], initial_state=h0.double(),
+                                        output_final_state=True, cu_seqlens=cu)
+    assert rel(o2, ro2) < 1e-5 and rel(ht2, rht2) < 1e-5
+
+
+@kernel_test
+def test_bad_inputs_raise():
+    q, k, v, g, beta = make_inputs(2, 8, 2, 16, 16)
+    with pytest.raises(ValueError, match="beta"):
+        kda_triton.chunk_kda_triton(q, k, v, g, beta[..., :1])
+    with pytest.raises(ValueError, match="batch size"):
+        kda_triton.chunk_kda_triton(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 8], device=DEV))
+    with pytest.raises(ValueError, match="gate"):
+        kda_triton.chunk_kda_triton(q, k, v, g, beta, gate="relu")
+    with pytest.raises(ValueError, match="initial_state"):
+        kda_triton.recurrent_kda_triton(q, k, v, g, beta, initial_state=torch.zeros(1, 2, 16, 16, device=DEV))
+
+
+# ------------------------------------------------------------------------------------------ GPU-only sweeps
+@gpu_only
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 1000, 4097, 70000])
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_forward_sweep(gate, T, D):
+    q, k, v, g, beta = make_inputs(1, T, 2, D, D, gate, dtype=torch.bfloat16, seed=T)
+    h0 = torch.randn(1, 2, D, D, device=DEV)
+    o, ht = kda_triton.chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, gate=gate)
+    ro, rht = oracle(q, k, v, g, beta, h0)
+    assert rel(o, ro) < 5e-3 and rel(ht, rht) < 5e-3
+
+
+@gpu_only
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+@pytest.mark.parametrize("extreme", ["zero", "floor"])
+def test_gpu_extreme_gates_and_varlen(gate, extreme):
+    lengths = [1, 700, 0, 64, 3000, 129]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), device=DEV)
+    q, k, v, g, beta = make_inputs(1, sum(lengths), 4, 128, 128, gate, dtype=torch.bfloat16)
+    floor = -5.0 if gate == "bounded" else -30.0  # -30: a 16-token sub-block spans 480 nats
+    g = torch.zeros_like(g) if extreme == "zero" else torch.full_like(g, floor)
+    h0 = torch.randn(len(lengths), 4, 128, 128, device=DEV)
+    xs = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+    o, ht = kda_triton.chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu, gate=gate)
+    ys = [x.double().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
+    ro, rht = kda.chunk_kda(*ys[:5], initial_state=ys[5], output_final_state=True, cu_seqlens=cu, backend="torch")
+    assert rel(o, ro) < 5e-3 and rel(ht, rht) < 5e-3
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    torch.autograd.backward([o, ht], [do, dht])
+    torch.autograd.backward([ro, rht], [do.double(), dht.double()])
+    for name, x, y in zip("q k v g beta h0".split(), xs, ys):
+        assert rel(x.grad, y.grad) < 1e-2, name
+
+
+@gpu_only
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+@pytest.mark.parametrize("T", [200, 5000])
+def test_gpu_backward(gate, T):
+    inputs = make_inputs(1, T, 2, 128, 128, gate, dtype=torch.bfloat16, seed=7) + [torch.randn(1, 2, 128, 128, device=DEV)]
+    xs = [x.clone().requires_grad_() for x in inputs]
+    ys = [x.double().clone().requires_grad_() for x in inputs]
+    o, ht = kda_triton.chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True, gate=gate)
+    ro, rht = oracle(*ys[:5], h0=ys[5])
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    torch.autograd.backward([o, ht], [do, dht])
+    torch.autograd.backward([ro, rht], [do.double(), dht.double()])
+    for name, x, y in zip("q k v g beta h0".split(), xs, ys):
+        assert rel(x.grad, y.grad) < 1e-2, name
+
+
+@gpu_only
+def test_gpu_one_million_tokens_at_the_floor_is_finite():
+    T = 1 << 20
+    q, k, v, g, beta = make_inputs(1, T, 2, 128, 128, dtype=torch.bfloat16)
+    g = torch.full_like(g, -5.0)
+    with torch.no_grad():
+        o, ht = kda_triton.chunk_kda_triton(q, k, v, g, beta, output_final_state=True, gate="bounded")
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    ro, _ = kda.naive_recurrent_kda(*[x[:, -300:].double() for x in (q, k, v, g, beta)])
+    # with decay e^-5 per token the state forgets within a few hundred tokens: the tail matches a fresh start
+    assert rel(o[:, -100:], ro[:, -100:]) < 5e-3
