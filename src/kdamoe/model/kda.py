@@ -247,20 +247,8 @@ def chunk_kda(
     Returns:
         ``(o [B, T, H, V] in q's dtype, final_state or None)``.
     """
-    gate, lower_bound = _resolve_gate(gate, lower_bound)
-    _validate(q, k, v, g, beta, initial_state, cu_seqlens)
-    backend = _pick_backend(backend, q, chunk_kda_triton)
-    if backend == "triton":
-        return chunk_kda_triton(
-            q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-            cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate,
-        )
-    out_dtype = q.dtype
-    q, k, v, g, beta = _prepare(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, use_qk_l2norm_in_kernel, gate, lower_bound)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    o, state = _chunk_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens)
-    return o.to(out_dtype), (state if output_final_state else None)
+    return _dispatch(chunk_kda_triton, _chunk_core, q, k, v, g, beta, scale, initial_state, output_final_state,
+                     cu_seqlens, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, gate, backend)
 
 
 def recurrent_kda(
@@ -283,18 +271,33 @@ def recurrent_kda(
     backend=None,
 ):
     """Step-by-step KDA for decoding (a few tokens, state in and out). Same arguments and returns as ``chunk_kda``."""
+    return _dispatch(recurrent_kda_triton, naive_recurrent_kda, q, k, v, g, beta, scale, initial_state,
+                     output_final_state, cu_seqlens, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
+                     lower_bound, gate, backend)
+
+
+def _chunk_core(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    o, state = _chunk_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    return o, (state if output_final_state else None)
+
+
+def _dispatch(kernel, torch_core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+              use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, gate, backend):
+    """The shared front of `chunk_kda` / `recurrent_kda`: validate, then run the Triton kernel (which fuses the
+    gate and L2 norm itself) or apply them in torch and run the torch core."""
     gate, lower_bound = _resolve_gate(gate, lower_bound)
     _validate(q, k, v, g, beta, initial_state, cu_seqlens)
-    backend = _pick_backend(backend, q, recurrent_kda_triton)
-    if backend == "triton":
-        return recurrent_kda_triton(
+    if _pick_backend(backend, q, kernel) == "triton":
+        return kernel(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
             cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
             use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate,
         )
     out_dtype = q.dtype
-    q, k, v, g, beta = _prepare(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, use_qk_l2norm_in_kernel, gate, lower_bound)
-    o, state = naive_recurrent_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, use_qk_l2norm_in_kernel, gate,
+                                lower_bound)
+    o, state = torch_core(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
     return o.to(out_dtype), state
 
 
