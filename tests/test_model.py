@@ -239,3 +239,17 @@ def test_left_padded_batch_generates_like_single_prompts():
     together = model.generate(batch, attention_mask=mask, **kwargs)
     torch.testing.assert_close(together[0, 9:], model.generate(short, **kwargs)[0, 4:])
     torch.testing.assert_close(together[1, 9:], model.generate(long, **kwargs)[0, 9:])
+
+
+def test_eager_attention_equals_sdpa(tmp_path):
+    make_model().save_pretrained(tmp_path)
+    eager = kdamoe.KDAMoEForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    sdpa = kdamoe.KDAMoEForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa").eval()
+    assert eager.config._attn_implementation == "eager" and sdpa.config._attn_implementation == "sdpa"
+    ids = torch.randint(3, 97, (2, 24))
+    mask = torch.ones_like(ids)
+    mask[0, :6] = 0
+    position_ids = torch.cat([torch.arange(10), torch.arange(14)]).repeat(2, 1)
+    with torch.no_grad():
+        for kwargs in ({}, dict(attention_mask=mask), dict(position_ids=position_ids)):
+            torch.testing.assert_close(eager(ids, **kwargs).logits, sdpa(ids, **kwargs).logits, rtol=1e-4, atol=1e-5)
