@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -108,3 +109,19 @@ def test_router_bias_round_trips_in_process(tmp_path):
         if a.is_moe:  # the selection bias stays fp32 and exact
             torch.testing.assert_close(a.ffn.router.bias, b.ffn.router.bias, rtol=0, atol=0)
     assert model.to(torch.bfloat16).model.layers[1].ffn.router.bias.dtype == torch.float32
+
+
+def test_incomplete_or_corrupt_checkpoint_is_a_clear_error(tmp_path):
+    from safetensors.torch import save_file
+
+    kdamoe.KDAMoEForCausalLM(tiny_config()).save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    dropped = next(name for name in weights if name.endswith("mixer.A_log"))
+    save_file({k: v for k, v in weights.items() if k != dropped}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="incomplete.*" + dropped.replace(".", r"\.")):
+        kdamoe.KDAMoEForCausalLM.from_pretrained(tmp_path)
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(Exception, match="(?i)incomplete|deserializ"):
+        kdamoe.KDAMoEForCausalLM.from_pretrained(tmp_path)

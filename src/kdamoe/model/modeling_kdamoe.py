@@ -391,6 +391,17 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     _keep_in_fp32_modules_strict = ["router"]  # routing scores and the selection bias are fp32 (DESIGN §3)
 
+    @classmethod
+    def from_pretrained(cls, *args, output_loading_info: bool = False, **kwargs):
+        """`PreTrainedModel.from_pretrained`, but an incomplete checkpoint is an error rather than a warning that
+        leaves randomly initialised weights behind (only a causal-LM head over a base-model checkpoint may be new)."""
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        missing = sorted(k for k in info.get("missing_keys", ()) if k != "lm_head.weight")
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise ValueError(f"The checkpoint is incomplete: {len(missing)} weights are missing ({shown}).")
+        return (model, info) if output_loading_info else model
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)  # Linear / Embedding: normal(0, initializer_range); RMSNorm: ones
