@@ -1,0 +1,87 @@
+"""Quantile Balancing wired through the whole model: the per-step update equals the exact oracle on the router
+scores the model really produced, once per optimizer step, and only from training forwards."""
+
+import pytest
+import torch
+
+import kdamoe
+from conftest import tiny_config
+
+
+def moe_layers(model):
+    return [i for i, layer in enumerate(model.model.layers) if layer.is_moe]
+
+
+def bin_width(bias: torch.Tensor, bins: int) -> float:
+    return float(bias.max() - bias.min() + 2.0) / bins
+
+
+def test_apply_load_balancing_equals_exact_quantile_update():
+    model = kdamoe.KDAMoEForCausalLM(tiny_config()).train()
+    with torch.no_grad():
+        for i in moe_layers(model):
+            model.model.layers[i].ffn.router.bias.normal_(0, 0.05)
+    old = {i: model.model.layers[i].ffn.router.bias.clone() for i in moe_layers(model)}
+    ids = torch.randint(3, 97, (4, 64))
+    out = model(ids, labels=ids, output_router_logits=True)
+    out.loss.backward()
+    stats = model.apply_load_balancing()
+    assert sorted(stats) == moe_layers(model)
+    for i, logits in zip(moe_layers(model), out.router_logits):
+        scores = torch.sigmoid(logits.detach().double())
+        expected = kdamoe.quantile_balance(scores, old[i].double(), model.config.num_experts_per_tok)
+        new = model.model.layers[i].ffn.router.bias.double()
+        # histogram read-out: within one bin width of the exact quantile, before and after mean-centring
+        assert (new - expected).abs().max() <= 2 * bin_width(old[i], model.config.quantile_num_bins)
+        # the reported loads are the selections made with the old bias
+        chosen = torch.topk(scores + old[i].double(), model.config.num_experts_per_tok, dim=-1).indices
+        torch.testing.assert_close(stats[i]["loads"], torch.bincount(chosen.flatten(), minlength=8))
+
+
+def test_statistics_come_only_from_training_forwards():
+    model = kdamoe.KDAMoEForCausalLM(tiny_config())
+    ids = torch.randint(3, 97, (2, 32))
+    model.eval()
+    model(ids)
+    with torch.no_grad():
+        model.train()(ids)
+    assert all(s == {} for s in model.apply_load_balancing().values())  # nothing pending, bias untouched
+    assert all(float(model.model.layers[i].ffn.router.bias.abs().max()) == 0 for i in moe_layers(model))
+
+
+@pytest.mark.parametrize("balancing", ["quantile", "loss_free"])
+def test_gradient_checkpointing_counts_each_token_once(balancing):
+    ids = torch.randint(3, 97, (2, 32))
+    loads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = kdamoe.KDAMoEForCausalLM(tiny_config(router_balancing=balancing)).train()
+        if checkpointing:
+            getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+        model(ids, labels=ids).loss.backward()
+        stats = model.apply_load_balancing()
+        loads.append({i: s["loads"] for i, s in stats.items()})
+        assert all(int(s["loads"].sum()) == ids.numel() * model.config.num_experts_per_tok for s in stats.values())
+    assert loads[0].keys() == loads[1].keys()
+    for i in loads[0]:
+        torch.testing.assert_close(loads[0][i], loads[1][i])
+
+
+def test_padding_tokens_are_not_counted():
+    model = kdamoe.KDAMoEForCausalLM(tiny_config()).train()
+    ids = torch.randint(3, 97, (2, 32))
+    mask = torch.ones_like(ids)
+    mask[0, :10] = 0
+    model(ids, attention_mask=mask, labels=ids).loss.backward()
+    for s in model.apply_load_balancing().values():
+        assert int(s["loads"].sum()) == int(mask.sum()) * model.config.num_experts_per_tok
+
+
+def test_aux_loss_mode_adds_the_auxiliary_loss():
+    model = kdamoe.KDAMoEForCausalLM(tiny_config(router_balancing="aux_loss", router_aux_loss_coef=0.5)).train()
+    ids = torch.randint(3, 97, (2, 16))
+    out = model(ids, labels=ids)
+    assert out.aux_loss is not None and out.aux_loss > 0
+    plain = model.loss_function(out.logits, ids, model.vocab_size)
+    torch.testing.assert_close(out.loss, plain + out.aux_loss)
+    assert model.eval()(ids, labels=ids).aux_loss is None
