@@ -410,8 +410,8 @@ def train(argv: list[str] | None = None, return_model: bool = False):
                              "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id})
     fingerprint = _fingerprint(settings, config.to_dict(), world)
     model = KDAMoEForCausalLM(config)
-    if settings["gradient_checkpointing"]:
-        model.gradient_checkpointing_enable()
+    if settings["gradient_checkpointing"]:  # transformers >= 5.2x names it activation_checkpointing_enable
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     optimizer = torch.optim.AdamW(param_groups(model, settings["weight_decay"]), lr=settings["lr"],
                                   betas=(settings["beta1"], settings["beta2"]), eps=settings["adam_eps"])
     model, optimizer = accelerator.prepare(model, optimizer)
