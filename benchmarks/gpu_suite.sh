@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One GPU session for the MoE layer and the training stack (run through the `device` tool from the repo root):
+# One GPU session for everything (run through the `device` tool from the repo root, ~9 min with KDA=1):
+#   KDA=1: the CUDA KDA kernel tests and benchmarks/bench_kda.py (vs fla-core and SDPA, 1M-token forward);
 #   CUDA-only MoE tests, benchmarks/bench_moe.py, and a short `small`-preset training run for tokens/s and MFU.
-# Carries: .whl (datasets, dill, multiprocess wheels) and .gpu/tok32k (a BPE trained here, so no device time
-# goes to tokenizer training). Results land in $OUT.
+# Carries: .whl (datasets, dill, multiprocess, fla-core wheels) and .gpu/tok32k (a BPE trained here, so no device
+# time goes to tokenizer training). Results land in $OUT.
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}
@@ -11,6 +12,13 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
   && export PYTHONPATH=$PYTHONPATH:/tmp/site
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+
+if [ "${KDA:-0}" = 1 ]; then
+  echo "== CUDA KDA kernel tests"
+  python3 -m pytest -q tests/test_kda_triton.py 2>&1 | tail -5
+  echo "== bench_kda"
+  python3 benchmarks/bench_kda.py --out "$OUT/bench_kda.json" 2>&1 | tee "$OUT/bench_kda.log" | tail -20
+fi
 
 echo "== CUDA MoE tests"
 python3 -m pytest -q -x tests/test_moe.py -k cuda 2>&1 | tail -5
