@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session for everything (run through the `device` tool from the repo root, ~9 min with KDA=1):
 #   KDA=1: the CUDA KDA kernel tests and benchmarks/bench_kda.py (vs fla-core and SDPA, 1M-token forward);
-#   CUDA-only MoE tests, benchmarks/bench_moe.py, and a short `small`-preset training run for tokens/s and MFU.
+#   CUDA-only MoE tests, benchmarks/bench_moe.py, a short `small`-preset training run for tokens/s and MFU,
+#   and a torch.profiler table of one `small` training step (benchmarks/profile_step.py).
 # Carries: .whl (datasets, dill, multiprocess, fla-core wheels) and .gpu/tok32k (a BPE trained here, so no device
 # time goes to tokenizer training). Results land in $OUT.
 set -uo pipefail
@@ -33,3 +34,8 @@ python3 -m kdamoe.train --preset small --tokenizer .gpu/tok32k --stages 2048:$ST
 tail -5 "$OUT/train_small.log"
 cp /tmp/small/metrics.jsonl "$OUT/small_metrics.jsonl" 2>/dev/null
 python3 benchmarks/throughput.py /tmp/small --peak-tflops "${PEAK_TFLOPS:-989}" | tee "$OUT/small_throughput.txt"
+
+echo "== one small-preset step under torch.profiler (where the time goes)"
+python3 benchmarks/profile_step.py --preset small --rows 16 --seq-len 2048 --out /tmp/prof/profile_step.json \
+  2>&1 | tail -40 | tee "$OUT/profile_step.txt"
+cp /tmp/prof/profile_step.json "$OUT/" 2>/dev/null
