@@ -4,7 +4,8 @@
 #   CUDA-only MoE tests, benchmarks/bench_moe.py, a short `small`-preset training run for tokens/s and MFU,
 #   and a torch.profiler table of one `small` training step (benchmarks/profile_step.py).
 # Carries: .whl (datasets, dill, multiprocess, fla-core wheels) and .gpu/tok32k (a BPE trained here, so no device
-# time goes to tokenizer training). Results land in $OUT.
+# time goes to tokenizer training; make it here first with
+#   kdamoe-tokenizer --vocab-size 32768 --max-chars 20000000 --output-dir .gpu/tok32k). Results land in $OUT.
 set -uo pipefail
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/out}
