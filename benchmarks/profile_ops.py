@@ -1,0 +1,138 @@
+"""Where the time goes inside the KDA and MoE ops: torch.profiler kernel tables, one GPU call.
+
+KDA (bf16, H=16, head dim 128, fused bounded gate): ours vs flash-linear-attention's ``chunk_kda`` (when
+``fla-core`` is importable), forward and forward+backward at 4x8K and 1x32K. MoE (16K tokens, hidden 2048,
+128 experts top-8, width 768): our grouped experts alone and the bare ``grouped_mm`` GEMMs on pre-sorted
+tokens (no permutation, no activation) as the floor. Also prints registers and spills of our Triton kernels.
+
+    PYTHONPATH=src python benchmarks/profile_ops.py [--what kda,moe]
+"""
+
+import argparse
+import json
+import os
+
+import torch
+from triton.testing import do_bench
+
+import bench_kda
+
+
+def kernel_table(fn, label, rows=14):
+    """Run ``fn`` twice (warm), then once under the profiler; print the kernels by total CUDA time."""
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in events)
+    print(f"\n== {label}: {total / 1e3:.3f} ms of kernels")
+    out = []
+    for e in events[:rows]:
+        print(f"{e.device_time_total / 1e3:9.3f} ms {e.count:5d}x  {e.key[:110]}")
+        out.append(dict(name=e.key, ms=e.device_time_total / 1e3, count=e.count))
+    return dict(total_ms=total / 1e3, kernels=out)
+
+
+def kda(res):
+    impls = {"ours": bench_kda.run_ours}
+    if bench_kda.fla_chunk_kda is not None:
+        impls["fla"] = bench_kda.run_fla
+    for B, T in ((4, 8192), (1, 32768)):
+        x = bench_kda.make(B, T)
+        leaves = {n: x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta")}
+        do = torch.randn_like(x["v"])
+        for name, fn in impls.items():
+            def fwd():
+                with torch.no_grad():
+                    fn(x, "bounded")
+
+            def fwdbwd():
+                fn(x, "bounded").backward(do)
+
+            for mode, f in (("fwd", fwd), ("fwd+bwd", fwdbwd)):
+                key = f"kda {name} {B}x{T // 1024}K {mode}"
+                res[key] = kernel_table(f, key)
+                res[key]["do_bench_ms"] = do_bench(f, warmup=20, rep=200, return_mode="median")
+                print(f"do_bench median {res[key]['do_bench_ms']:.3f} ms")
+
+
+
+def moe(res):
+    from kdamoe.model.moe import _GROUPED_MM, KDAMoEExperts
+    from kdamoe import KDAMoEConfig
+    N, D, E, k, I = 16384, 2048, 128, 8, 768
+    cfg = KDAMoEConfig(hidden_size=D, num_experts=E, num_experts_per_tok=k, moe_intermediate_size=I,
+                       num_hidden_layers=1, mlp_layer_types=["dense"])
+    ex = KDAMoEExperts(cfg).cuda().bfloat16()
+    with torch.no_grad():
+        for p in ex.parameters():
+            p.normal_(0, 0.02)
+    x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(N)])
+    w = torch.rand(N, k, device="cuda").softmax(-1)
+    dy = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
+
+    def experts_fb():
+        ex.zero_grad(set_to_none=True)
+        xx = x.detach().requires_grad_()
+        ex(xx, idx, w).backward(dy)
+
+    counts = torch.bincount(idx.view(-1), minlength=E)
+    offs = counts.cumsum(0).to(torch.int32)
+    xs = torch.randn(N * k, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gu = ex.gate_up_proj.detach().requires_grad_()
+    dn = ex.down_proj.detach().requires_grad_()
+    dys = torch.randn(N * k, D, device="cuda", dtype=torch.bfloat16)
+
+    def bare_fb():
+        gu.grad = dn.grad = xs.grad = None
+        h = _GROUPED_MM(xs, gu.transpose(-2, -1), offs=offs)
+        a, b = h.chunk(2, dim=-1)
+        y = _GROUPED_MM(a * b, dn.transpose(-2, -1), offs=offs)
+        y.backward(dys)
+
+    flops = 6 * N * k * 3 * D * I
+    for key, f in (("moe experts fwd+bwd", experts_fb), ("moe bare grouped_mm fwd+bwd", bare_fb)):
+        res[key] = kernel_table(f, key)
+        ms = do_bench(f, warmup=10, rep=100, return_mode="median")
+        res[key].update(do_bench_ms=ms, tflops=flops / ms / 1e9)
+        print(f"do_bench median {ms:.3f} ms = {flops / ms / 1e9:.0f} TFLOP/s")
+
+
+def registers():
+    from kdamoe.model import kda_triton
+    for name in dir(kda_triton):
+        fn = getattr(kda_triton, name)
+        caches = getattr(fn, "device_caches", None)
+        if not caches:
+            continue
+        for entry in caches.values():
+            for kern in entry[0].values():
+                try:
+                    kern._init_handles()
+                    print(f"{name:28s} regs {kern.n_regs:4d} spills {kern.n_spills:6d} shared {kern.metadata.shared}")
+                except Exception as err:  # noqa: BLE001 (diagnostic only)
+                    print(name, "no metadata:", err)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--what", default="kda,moe")
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile_ops.json"))
+    args = ap.parse_args()
+    res = {}
+    if "kda" in args.what:
+        kda(res)
+        registers()
+    if "moe" in args.what:
+        moe(res)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
