@@ -183,6 +183,113 @@ def test_grouped_path_with_torch_grouped_mm_on_cpu():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+# ----------------------------------------------------------------------------------------------- permute / combine
+
+
+def sorted_routing(n, num_experts, k, seed=0):
+    """Routing as forward_grouped sorts it: `(index [n, k], order, inverse)` (sorted position <-> flat position)."""
+    index, _ = routing(n, num_experts, k, seed=seed)
+    order = torch.argsort(index.reshape(-1), stable=True)
+    return index, order, torch.argsort(order)
+
+
+def naive_combine(y, weights, order):
+    """out[t] = sum over sorted rows p of weights.flat[order[p]] * y[p], for t = order[p] // k (float64 loop)."""
+    n, k = weights.shape
+    out = torch.zeros(n, y.shape[1], dtype=torch.float64)
+    for p, flat in enumerate(order.tolist()):
+        out[flat // k] += weights.reshape(-1)[flat].double() * y[p].double()
+    return out
+
+
+def test_combine_and_permute_gradcheck_float64():
+    n, k, d = 7, 3, 5
+    _, order, inverse = sorted_routing(n, 6, k, seed=3)
+    y = torch.randn(n * k, d, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(n, k, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(moe._CombineTokens.apply(y, w, order, inverse), naive_combine(y.detach(), w.detach(),
+                                                                                             order))
+    assert torch.autograd.gradcheck(lambda a, b: moe._CombineTokens.apply(a, b, order, inverse), (y, w))
+    # weights without gradient: only dy, y is not kept for the backward
+    out = moe._CombineTokens.apply(y, w.detach(), order, inverse)
+    (dy,) = torch.autograd.grad(out, y, torch.ones_like(out))
+    want = w.detach().reshape(-1)[order, None].expand(-1, d)
+    torch.testing.assert_close(dy, want)
+    # permutation: forward is hidden[token_of], backward sums the k copies of each token
+    h = torch.randn(n, d, dtype=torch.float64, requires_grad=True)
+    torch.testing.assert_close(moe._PermuteTokens.apply(h, order // k, inverse, k), h.detach()[order // k])
+    assert torch.autograd.gradcheck(lambda a: moe._PermuteTokens.apply(a, order // k, inverse, k), (h,))
+
+
+@pytest.mark.parametrize("y_dtype,w_dtype", [(torch.float32, torch.float64), (torch.bfloat16, torch.float32),
+                                             (torch.bfloat16, torch.bfloat16)])
+def test_combine_dtypes(y_dtype, w_dtype):
+    """Output and dy in y's dtype, dw in the weights' dtype, accumulation in fp32 (bf16 only rounds the results)."""
+    n, k, d = 9, 2, 24
+    _, order, inverse = sorted_routing(n, 5, k, seed=4)
+    y64, w64 = torch.randn(n * k, d, dtype=torch.float64), torch.rand(n, k, dtype=torch.float64)
+    dout64 = torch.randn(n, d, dtype=torch.float64)
+    y, w = y64.to(y_dtype).requires_grad_(), w64.to(w_dtype).requires_grad_()
+    out = moe._CombineTokens.apply(y, w, order, inverse)
+    dy, dw = torch.autograd.grad(out, (y, w), dout64.to(y_dtype))
+    assert (out.dtype, dy.dtype, dw.dtype) == (y_dtype, y_dtype, w_dtype)
+    # reference on the same (rounded) inputs in float64
+    yr, wr = y.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    ref = naive_combine(yr, wr, order)
+    ref_dy, ref_dw = torch.autograd.grad(ref, (yr, wr), dout64.to(y_dtype).double())
+    tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[y_dtype]
+    for got, want in ((out, ref), (dy, ref_dy), (dw, ref_dw)):
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(moe.gather_sum_triton is None, reason="triton not installed")
+@pytest.mark.parametrize("n,k,d", [(5, 2, 40), (6, 9, 300)])  # (6, 9, 300): masked slots, two blocks of D
+@pytest.mark.parametrize("y_dtype", [torch.float32, torch.bfloat16])
+def test_combine_and_permute_triton_match_torch(monkeypatch, n, k, d, y_dtype):
+    """The Triton combine / permute-backward kernels (the interpreter on CPU) against the torch path."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    _, order, inverse = sorted_routing(n, 12, k, seed=5)
+    order, inverse = order.to(device), inverse.to(device)
+    y0 = torch.randn(n * k, d, device=device).to(y_dtype)
+    w0 = torch.rand(n, k, device=device)
+    h0 = torch.randn(n, d, device=device).to(y_dtype)
+    dout = torch.randn(n, d, device=device).to(y_dtype)
+    dx = torch.randn(n * k, d, device=device).to(y_dtype)
+    results = []
+    for use in (False, True):
+        monkeypatch.setattr(moe, "_use_triton", lambda x, use=use: use)
+        y, w, h = (t.clone().requires_grad_() for t in (y0, w0, h0))
+        out = moe._CombineTokens.apply(y, w, order, inverse)
+        dy, dw = torch.autograd.grad(out, (y, w), dout)
+        (dy_only,) = torch.autograd.grad(moe._CombineTokens.apply(y, w0, order, inverse), y, dout)
+        x = moe._PermuteTokens.apply(h, order // k, inverse, k)
+        (dh,) = torch.autograd.grad(x, h, dx)
+        results.append((out, dy, dw, dy_only, x, dh))
+    tol = 1e-5 if y_dtype == torch.float32 else 1e-2
+    for want, got in zip(*results):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.skipif(moe.gather_sum_triton is None, reason="triton not installed")
+def test_grouped_path_with_triton_kernels_equals_loop_path(monkeypatch):
+    """float32, every Triton kernel of the grouped path (interpreter on CPU) on: outputs and gradients match."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    experts = init_(KDAMoEExperts(make_config())).to(device)
+    x = torch.randn(11, 16, device=device)
+    index, weights = routing(11, 6, 2, seed=1, skip=(3,))
+    index, weights = index.to(device), weights.float().to(device)
+    dout = torch.randn(11, 16, device=device)
+    results = []
+    for fn, use in ((experts.forward_loop, False), (experts.forward_grouped, True)):
+        monkeypatch.setattr(moe, "_use_triton", lambda t, use=use: use)
+        xx, ww = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = fn(xx, index, ww)
+        results.append((out, *torch.autograd.grad(out, (xx, ww, experts.gate_up_proj, experts.down_proj), dout)))
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)
+
+
 def test_experts_reject_bad_shapes():
     experts = KDAMoEExperts(make_config())
     with pytest.raises(ValueError, match="top_k_index"):

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 try:
-    from .moe_triton import situ_glu_bwd_triton, situ_glu_fwd_triton
+    from .moe_triton import combine_bwd_triton, gather_sum_triton, situ_glu_bwd_triton, situ_glu_fwd_triton
 except ImportError:
-    situ_glu_fwd_triton = situ_glu_bwd_triton = None
+    situ_glu_fwd_triton = situ_glu_bwd_triton = gather_sum_triton = combine_bwd_triton = None
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -133,6 +133,20 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -
     return torch.cat(out)
 
 
+def _gather_sum(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor | None, top_k: int) -> torch.Tensor:
+    """`out[n] = sum_j weights[n, j] * y[inverse[n*k + j]]` (weights 1 when None): `y [M, D]` -> `[M / k, D]` in
+    `y.dtype`, the k rows of a token summed in a fixed order with fp32 (or wider) accumulation, no atomics."""
+    if _use_triton(y):
+        out = torch.empty(inverse.numel() // top_k, y.shape[-1], dtype=y.dtype, device=y.device)
+        return gather_sum_triton(_as_rows(y), inverse.contiguous(),
+                                 None if weights is None else weights.contiguous(), out)
+    dtype = _compute_dtype(y)
+    rows = y.index_select(0, inverse).view(-1, top_k, y.shape[-1]).to(dtype)
+    if weights is None:
+        return rows.sum(1).to(y.dtype)
+    return torch.bmm(weights.to(dtype).unsqueeze(1), rows).squeeze(1).to(y.dtype)
+
+
 class _PermuteTokens(torch.autograd.Function):
     """`hidden[token_of]` (`[N, D] -> [N*k, D]`); the backward sums the k copies of each token in a fixed order
     (through the inverse permutation) instead of with atomic adds."""
@@ -144,10 +158,45 @@ class _PermuteTokens(torch.autograd.Function):
         return hidden.index_select(0, token_of)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad: torch.Tensor):
         (inverse,) = ctx.saved_tensors
-        grad = grad.index_select(0, inverse).view(-1, ctx.top_k, grad.shape[-1]).sum(1)
-        return grad, None, None, None
+        return _gather_sum(grad, inverse, None, ctx.top_k), None, None, None
+
+
+class _CombineTokens(torch.autograd.Function):
+    """Weighted combine of the expert outputs in sorted order: `out[n] = sum_j weights[n, j] * y[inverse[n*k + j]]`
+    (`y [N*k, D]`, `weights [N, k]` -> `[N, D]` in `y.dtype`), `order` = sorted position -> flat (token, slot)
+    position, `inverse` its inverse. Fixed summation order, no atomics, fp32 (or wider) accumulation. Backward:
+    `dy[p] = weights.flat[order[p]] * dout[order[p] // k]` (every row written once, no index_add) and
+    `dweights[n, j] = <y[inverse[n*k + j]], dout[n]>`, returned in `weights.dtype`."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor):
+        ctx.need_dw = ctx.needs_input_grad[1]
+        ctx.save_for_backward(y if ctx.need_dw else None, weights, order, inverse)
+        ctx.y_dtype = y.dtype
+        return _gather_sum(y, inverse, weights, weights.shape[1])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        y, weights, order, inverse = ctx.saved_tensors
+        top_k = weights.shape[1]
+        if _use_triton(grad_out):
+            grad_y = torch.empty(order.numel(), grad_out.shape[-1], dtype=ctx.y_dtype, device=grad_out.device)
+            grad_w = torch.empty(weights.shape, dtype=weights.dtype, device=weights.device) if ctx.need_dw else None
+            combine_bwd_triton(_as_rows(grad_out), None if y is None else _as_rows(y), weights.contiguous(),
+                               inverse.contiguous(), grad_y, grad_w)
+            return grad_y, grad_w, None, None
+        dtype = _compute_dtype(grad_out)
+        dout = grad_out.to(dtype)
+        grad_y = dout.index_select(0, order // top_k) * weights.reshape(-1).to(dtype).index_select(0, order)[:, None]
+        grad_w = None
+        if ctx.need_dw:
+            rows = y.index_select(0, inverse).view(-1, top_k, y.shape[-1]).to(dtype)
+            grad_w = torch.bmm(rows, dout.unsqueeze(2)).squeeze(2).to(weights.dtype)
+        return grad_y.to(ctx.y_dtype), grad_w, None, None
 
 
 class KDAMoEExperts(nn.Module):
@@ -201,7 +250,7 @@ class KDAMoEExperts(nn.Module):
     def forward_grouped(self, hidden, top_k_index, top_k_weights) -> torch.Tensor:
         """Tokens sorted by expert, two grouped GEMMs, fixed-order weighted combine (no host synchronisation)."""
         self._check(hidden, top_k_index, top_k_weights)
-        num_tokens, top_k = top_k_index.shape
+        top_k = top_k_index.shape[1]
         flat_expert = top_k_index.reshape(-1)
         order = torch.argsort(flat_expert, stable=True)  # sorted position -> flat (token, slot) position
         inverse = torch.empty_like(order)
@@ -211,8 +260,7 @@ class KDAMoEExperts(nn.Module):
         offs = counts.cumsum(0).to(torch.int32)
         x = _PermuteTokens.apply(hidden, order // top_k, inverse, top_k)
         h = _packed_activation(self.activation, _grouped_linear(x, self.gate_up_proj, offs))
-        y = _grouped_linear(h, self.down_proj, offs).index_select(0, inverse).view(num_tokens, top_k, -1)
-        return torch.bmm(top_k_weights.to(y.dtype).unsqueeze(1), y).squeeze(1)
+        return _CombineTokens.apply(_grouped_linear(h, self.down_proj, offs), top_k_weights, order, inverse)
 
 
 # ----------------------------------------------------------------------------------------------- router + balancing

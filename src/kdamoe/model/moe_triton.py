@@ -1,8 +1,11 @@
-"""Fused Triton kernels for the SiTU-GLU activation (forward and backward); imported only when triton is there.
+"""Fused Triton kernels of the MoE expert path; imported only when triton is there.
 
-`h = [4 tanh(g/4) sigmoid(g)] * [25 tanh(u/25)]`, computed in fp32 from 2-D row-strided views `[M, I]` (unit
-column stride), so the gate and up halves of a packed `[M, 2I]` projection are read in place and the backward
-writes both halves of one packed gradient.
+- SiTU-GLU forward and backward: `h = [4 tanh(g/4) sigmoid(g)] * [25 tanh(u/25)]`, computed in fp32 from 2-D
+  row-strided views `[M, I]` (unit column stride), so the gate and up halves of a packed `[M, 2I]` projection are
+  read in place and the backward writes both halves of one packed gradient.
+- Token combine: `out[n] = sum_j w[n, j] * y[inverse[n*k + j]]` (the weighted combine of the expert outputs, and
+  with `w = 1` the backward of the token permutation) and its backward. One program per token: the k rows are
+  summed in a fixed order in fp32 (no atomics), and every row of `dy` is written by exactly one program.
 """
 
 import torch
@@ -78,3 +81,77 @@ def situ_glu_bwd_triton(gate: torch.Tensor, up: torch.Tensor, grad_h: torch.Tens
     _situ_glu_bwd_kernel[grid](gate, up, grad_h, grad_gate, grad_up, M, N, gate.stride(0), up.stride(0),
                                grad_h.stride(0), grad_gate.stride(0), grad_up.stride(0),
                                BLOCK_M=block_m, BLOCK_N=block_n)
+
+
+# ----------------------------------------------------------------------------------------------- token combine
+
+
+@triton.jit
+def _gather_sum_kernel(y_ptr, w_ptr, inv_ptr, out_ptr, D, stride_y, stride_out, K: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, HAS_W: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    slots = tl.arange(0, BLOCK_K)
+    kmask = slots < K
+    rows = tl.load(inv_ptr + n * K + slots, mask=kmask, other=0).to(tl.int64)
+    mask = kmask[:, None] & (cols < D)[None, :]
+    y = tl.load(y_ptr + rows[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_W:
+        w = tl.load(w_ptr + n * K + slots, mask=kmask, other=0.0).to(tl.float32)
+        y = y * w[:, None]
+    tl.store(out_ptr + n * stride_out + cols, tl.sum(y, axis=0).to(out_ptr.dtype.element_ty), mask=cols < D)
+
+
+@triton.jit
+def _combine_bwd_kernel(dout_ptr, y_ptr, w_ptr, inv_ptr, dy_ptr, dw_ptr, D, stride_dout, stride_y, stride_dy,
+                        K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr, NEED_DW: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    slots = tl.arange(0, BLOCK_K)
+    kmask = slots < K
+    rows = tl.load(inv_ptr + n * K + slots, mask=kmask, other=0).to(tl.int64)
+    w = tl.load(w_ptr + n * K + slots, mask=kmask, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for start in range(0, D, BLOCK_D):
+        cols = start + tl.arange(0, BLOCK_D)
+        cmask = cols < D
+        mask = kmask[:, None] & cmask[None, :]
+        g = tl.load(dout_ptr + n * stride_dout + cols, mask=cmask, other=0.0).to(tl.float32)
+        tl.store(dy_ptr + rows[:, None] * stride_dy + cols[None, :],
+                 (w[:, None] * g[None, :]).to(dy_ptr.dtype.element_ty), mask=mask)
+        if NEED_DW:
+            y = tl.load(y_ptr + rows[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            acc += tl.sum(y * g[None, :], axis=1)
+    if NEED_DW:
+        tl.store(dw_ptr + n * K + slots, acc.to(dw_ptr.dtype.element_ty), mask=kmask)
+
+
+def _combine_blocks(k: int, D: int) -> tuple[int, int]:
+    block_k = triton.next_power_of_2(k)
+    return block_k, min(triton.next_power_of_2(D), max(16, 4096 // block_k))
+
+
+def gather_sum_triton(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor | None,
+                      out: torch.Tensor) -> torch.Tensor:
+    """Write `out[n] = sum_j weights[n, j] * y[inverse[n*k + j]]` (weights 1 when None) into `out [N, D]`.
+
+    `y [M, D]` and `out` with unit column stride, `inverse [N*k]` and `weights [N, k]` contiguous.
+    """
+    (N, D), k = out.shape, inverse.numel() // out.shape[0]
+    block_k, block_d = _combine_blocks(k, D)
+    _gather_sum_kernel[(N, triton.cdiv(D, block_d))](
+        y, y if weights is None else weights, inverse, out, D, y.stride(0), out.stride(0),
+        K=k, BLOCK_K=block_k, BLOCK_D=block_d, HAS_W=weights is not None)
+    return out
+
+
+def combine_bwd_triton(grad_out: torch.Tensor, y: torch.Tensor | None, weights: torch.Tensor,
+                       inverse: torch.Tensor, grad_y: torch.Tensor, grad_weights: torch.Tensor | None) -> None:
+    """Backward of `gather_sum_triton` with weights: `grad_y[inverse[n*k + j]] = weights[n, j] * grad_out[n]` and,
+    when `grad_weights [N, k]` is given, `grad_weights[n, j] = <y[inverse[n*k + j]], grad_out[n]>` (needs `y`)."""
+    (N, D), k = grad_out.shape, weights.shape[1]
+    block_k, block_d = _combine_blocks(k, D)
+    need_dw = grad_weights is not None
+    _combine_bwd_kernel[(N,)](
+        grad_out, y if need_dw else grad_out, weights, inverse, grad_y, grad_weights if need_dw else weights, D,
+        grad_out.stride(0), y.stride(0) if need_dw else 0, grad_y.stride(0),
+        K=k, BLOCK_K=block_k, BLOCK_D=block_d, NEED_DW=need_dw)
