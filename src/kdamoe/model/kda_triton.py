@@ -261,10 +261,11 @@ def _wu_kernel(q_ptr, k_ptr, v_ptr, b_ptr, gam_ptr, tinv_ptr, w_ptr, u_ptr, qg_p
 
 
 @triton.jit
-def _fwd_state_kernel(qg_ptr, kd_ptr, dl_ptr, w_ptr, u_ptr, aqk_ptr, o_ptr, h0_ptr, ht_ptr, hs_ptr, us_ptr,
-                      cu_ptr, coff_ptr, H, K: tl.constexpr, V: tl.constexpr,
-                      BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-                      STORE_H: tl.constexpr, WRITE_O: tl.constexpr):
+def _fwd_state_kernel(kd_ptr, dl_ptr, w_ptr, u_ptr, h0_ptr, ht_ptr, hs_ptr, cu_ptr, coff_ptr, H, K: tl.constexpr,
+                      V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, HAS_H0: tl.constexpr,
+                      STORE_HT: tl.constexpr):
+    """The sequential chunk loop of one sequence, head and V block: stores the state entering every chunk
+    (``hs``), overwrites U0 with ``U = U0 − W S`` in place, and ``S ← e^{Γ_C} S + (K e^{Γ_C − Γ})ᵀ U``."""
     iv = tl.program_id(0)
     n = tl.program_id(1)
     h = tl.program_id(2)
@@ -279,34 +280,55 @@ def _fwd_state_kernel(qg_ptr, kd_ptr, dl_ptr, w_ptr, u_ptr, aqk_ptr, o_ptr, h0_p
     mv = cv < V
     offs_s = ck[:, None] * V + cv[None, :]
     ms = mk[:, None] & mv[None, :]
+    offk = r[:, None] * (H * K) + ck[None, :]
+    offv = r[:, None] * (H * V) + cv[None, :]
     state_off = (n * H + h).to(tl.int64) * (K * V)
     if HAS_H0:
         S = tl.load(h0_ptr + state_off + offs_s, mask=ms, other=0.0).to(tl.float32)
     else:
         S = tl.zeros((BK, BV), dtype=tl.float32)
     for i in range(0, nt):
-        t = bos + i * 64 + r
-        rv = t < eos
+        t0 = bos + i * 64
+        rv = r < eos - t0
         m2 = rv[:, None] & mk[None, :]
         mv2 = rv[:, None] & mv[None, :]
-        offk = t[:, None] * (H * K) + h * K + ck[None, :]
-        offv = t[:, None] * (H * V) + h * V + cv[None, :]
-        if STORE_H:
-            tl.store(hs_ptr + ((coff + i) * H + h) * (K * V) + offs_s, S, mask=ms)
-        w = tl.load(w_ptr + offk, mask=m2, other=0.0)
-        u = tl.load(u_ptr + offv, mask=mv2, other=0.0) - tl.dot(w, S)
-        if STORE_H:
-            tl.store(us_ptr + offv, u, mask=mv2)
-        if WRITE_O:
-            qg = tl.load(qg_ptr + offk, mask=m2, other=0.0)
-            aqk = tl.load(aqk_ptr + t[:, None] * (H * 64) + h * 64 + r[None, :], mask=rv[:, None], other=0.0)
-            o = tl.dot(qg, S) + tl.dot(aqk, u)
-            tl.store(o_ptr + offv, o.to(o_ptr.dtype.element_ty), mask=mv2)
-        kd = tl.load(kd_ptr + offk, mask=m2, other=0.0)
+        bk = t0 * (H * K) + h * K
+        bv = t0 * (H * V) + h * V
+        tl.store(hs_ptr + ((coff + i) * H + h) * (K * V) + offs_s, S, mask=ms)
+        w = tl.load(w_ptr + bk + offk, mask=m2, other=0.0)
+        u = tl.load(u_ptr + bv + offv, mask=mv2, other=0.0) - tl.dot(w, S)
+        tl.store(u_ptr + bv + offv, u, mask=mv2)
+        kd = tl.load(kd_ptr + bk + offk, mask=m2, other=0.0)
         dl = tl.load(dl_ptr + ((coff + i) * H + h) * K + ck, mask=mk, other=0.0)
         S = S * dl[:, None] + tl.dot(tl.trans(kd), u)
     if STORE_HT:
         tl.store(ht_ptr + state_off + offs_s, S, mask=ms)
+
+
+@triton.jit
+def _fwd_o_kernel(qg_ptr, aqk_ptr, hs_ptr, us_ptr, o_ptr, cstart_ptr, cend_ptr, H, K: tl.constexpr, V: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr):
+    """``O = (scale Q e^Γ) S0 + P U`` of one chunk and V block, from the states stored by the chunk loop."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    cv = tl.program_id(2) * BV + tl.arange(0, BV)
+    s = tl.load(cstart_ptr + c).to(tl.int64)
+    e = tl.load(cend_ptr + c).to(tl.int64)
+    r = tl.arange(0, 64)
+    rv = r < e - s
+    ck = tl.arange(0, BK)
+    mk = ck < K
+    mv = cv < V
+    mv2 = rv[:, None] & mv[None, :]
+    qg = tl.load(qg_ptr + s * (H * K) + h * K + r[:, None] * (H * K) + ck[None, :], mask=rv[:, None] & mk[None, :],
+                 other=0.0)
+    s0 = tl.load(hs_ptr + (c * H + h).to(tl.int64) * (K * V) + ck[:, None] * V + cv[None, :],
+                 mask=mk[:, None] & mv[None, :], other=0.0)
+    aqk = tl.load(aqk_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None], other=0.0)
+    offv = s * (H * V) + h * V + r[:, None] * (H * V) + cv[None, :]
+    u = tl.load(us_ptr + offv, mask=mv2, other=0.0)
+    o = tl.dot(qg, s0) + tl.dot(aqk, u)
+    tl.store(o_ptr + offv, o.to(o_ptr.dtype.element_ty), mask=mv2)
 
 
 # --------------------------------------------------------------------------------------------------- backward
@@ -335,15 +357,16 @@ def _bwd_state_kernel(qg_ptr, kd_ptr, dl_ptr, w_ptr, aqk_ptr, do_ptr, dht_ptr, d
         dS = tl.zeros((BK, BV), dtype=tl.float32)
     for j in range(0, nt):
         i = nt - 1 - j
-        t = bos + i * 64 + r
-        rv = t < eos
+        t0 = bos + i * 64
+        rv = r < eos - t0
         m2 = rv[:, None] & mk[None, :]
         mv2 = rv[:, None] & mv[None, :]
-        offk = t[:, None] * (H * K) + h * K + ck[None, :]
-        offv = t[:, None] * (H * V) + h * V + cv[None, :]
+        offk = t0 * (H * K) + h * K + r[:, None] * (H * K) + ck[None, :]
+        offv = t0 * (H * V) + h * V + r[:, None] * (H * V) + cv[None, :]
         tl.store(dhs_ptr + ((coff + i) * H + h) * (K * V) + offs_s, dS, mask=ms)
         do = tl.load(do_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
-        aqk = tl.load(aqk_ptr + t[:, None] * (H * 64) + h * 64 + r[None, :], mask=rv[:, None], other=0.0)
+        aqk = tl.load(aqk_ptr + t0 * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None],
+                      other=0.0)
         kd = tl.load(kd_ptr + offk, mask=m2, other=0.0)
         du = tl.dot(tl.trans(aqk), do) + tl.dot(kd, dS)
         tl.store(dus_ptr + offv, du, mask=mv2)
@@ -356,41 +379,38 @@ def _bwd_state_kernel(qg_ptr, kd_ptr, dl_ptr, w_ptr, aqk_ptr, do_ptr, dht_ptr, d
 
 
 @triton.jit
-def _bwd_chunk_kernel(q_ptr, k_ptr, v_ptr, b_ptr, gam_ptr, tinv_ptr, hs_ptr, dhs_ptr, us_ptr, dus_ptr, do_ptr,
-                      dq_ptr, dk_ptr, dv_ptr, dg_ptr, db_ptr, cstart_ptr, cend_ptr, scale, H,
-                      K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, SAFE: tl.constexpr):
+def _bwd_v_kernel(v_ptr, b_ptr, tinv_ptr, hs_ptr, dhs_ptr, us_ptr, dus_ptr, do_ptr, dv_ptr, dqg_ptr, dkd_ptr, dw_ptr,
+                  dt_ptr, dp_ptr, db_ptr, dgc_ptr, cstart_ptr, cend_ptr, scale, H, K: tl.constexpr, V: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr):
+    """Per chunk, the sums over V: ``dQg = dO S0ᵀ``, ``dKd = U dS_Cᵀ``, ``dW = −dU S0ᵀ``, ``dP = dO Uᵀ`` (times
+    scale, lower), ``dT = dU (β V)ᵀ``, ``dv = β Tᵀ dU`` (final), ``dβ = Σ V Tᵀ dU`` and ``Σ_v S0 dS_C``."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.load(cstart_ptr + c).to(tl.int64)
     e = tl.load(cend_ptr + c).to(tl.int64)
     r = tl.arange(0, 64)
-    t = s + r
-    rv = t < e
+    rv = r < e - s
     ck = tl.arange(0, BK)
     mk = ck < K
     m2 = rv[:, None] & mk[None, :]
-    offk = t[:, None] * (H * K) + h * K + ck[None, :]
-    off64 = t[:, None] * (H * 64) + h * 64 + r[None, :]
-    gam, glast = _load_gamma(gam_ptr, offk, m2, rv, gam_ptr + (e - 1) * (H * K) + h * K, ck, mk)
-    kk = tl.load(k_ptr + offk, mask=m2, other=0.0).to(tl.float32)
-    qq = tl.load(q_ptr + offk, mask=m2, other=0.0).to(tl.float32)
-    beta = tl.load(b_ptr + t * H + h, mask=rv, other=0.0).to(tl.float32)
+    offk = s * (H * K) + h * K + r[:, None] * (H * K) + ck[None, :]
+    off64 = s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :]
+    beta = tl.load(b_ptr + s * H + r * H + h, mask=rv, other=0.0).to(tl.float32)
     tinv = tl.load(tinv_ptr + off64, mask=rv[:, None], other=0.0)
     state_off = (c * H + h).to(tl.int64) * (K * V)
-
-    dqg = tl.zeros((64, BK), dtype=tl.float32)  # d(Q e^Γ) / scale
-    dkd = tl.zeros((64, BK), dtype=tl.float32)  # d(K e^{Γ_C − Γ})
+    dqg = tl.zeros((64, BK), dtype=tl.float32)
+    dkd = tl.zeros((64, BK), dtype=tl.float32)
     dw = tl.zeros((64, BK), dtype=tl.float32)
     dp = tl.zeros((64, 64), dtype=tl.float32)
     dt = tl.zeros((64, 64), dtype=tl.float32)
     dbeta = tl.zeros((64,), dtype=tl.float32)
     dgc = tl.zeros((BK,), dtype=tl.float32)
-    for iv in tl.static_range(0, V, BV):
+    for iv in range(0, V, BV):
         cv = iv + tl.arange(0, BV)
         mv = cv < V
         mv2 = rv[:, None] & mv[None, :]
         ms = mk[:, None] & mv[None, :]
-        offv = t[:, None] * (H * V) + h * V + cv[None, :]
+        offv = s * (H * V) + h * V + r[:, None] * (H * V) + cv[None, :]
         offs_s = ck[:, None] * V + cv[None, :]
         s0 = tl.load(hs_ptr + state_off + offs_s, mask=ms, other=0.0)
         dsc = tl.load(dhs_ptr + state_off + offs_s, mask=ms, other=0.0)
@@ -407,97 +427,190 @@ def _bwd_chunk_kernel(q_ptr, k_ptr, v_ptr, b_ptr, gam_ptr, tinv_ptr, hs_ptr, dhs
         dbeta += tl.sum(vv * tdu, axis=1)
         dt += tl.dot(du, tl.trans(vv * beta[:, None]))
         dgc += tl.sum(s0 * dsc, axis=1)
-    # Accumulate dq, dk and dΓ term by term, so each intermediate dies early (register pressure).
-    eg = tl.exp(gam)
-    kg = kk * eg
-    ed = tl.exp(glast[None, :] - gam)
-    dq = dqg * eg * scale
-    dgam = qq * dq
-    dk = dkd * ed
-    # The Γ_C − Γ_t terms (K e^{Γ_C − Γ}) and Γ_C (e^{Γ_C} S0) add Σ_{t<s} Kd_t dKd_t + e^{Γ_C} Σ_v S0 dS_C to
-    # dg_s: an exclusive prefix sum (row shift by a 0/1 matmul), so no large term is added and taken away again.
-    shift = tl.where(r[:, None] == r[None, :] + 1, 1.0, 0.0)
-    dg_end = tl.cumsum(tl.dot(shift, kk * ed * dkd, input_precision="tf32x3"), axis=0) + (tl.exp(glast) * dgc)[None, :]
-    tdw = tl.dot(tl.trans(tinv), dw)
-    dkg = tdw * beta[:, None]
-    dbeta += tl.sum(kg * tdw, axis=1)
-    dt += tl.dot(dw, tl.trans(kg * beta[:, None]))
-    dk += dkg * eg
-    dgam += kg * dkg
-    da = -tl.dot(tl.trans(tinv), tl.dot(dt, tl.trans(tinv)))
-    da = tl.where(r[:, None] > r[None, :], da, 0.0)
+    tl.store(dqg_ptr + offk, dqg, mask=m2)
+    tl.store(dkd_ptr + offk, dkd, mask=m2)
+    tl.store(dw_ptr + offk, dw, mask=m2)
+    tl.store(dt_ptr + off64, dt, mask=rv[:, None])
+    tl.store(dp_ptr + off64, tl.where(r[:, None] >= r[None, :], dp, 0.0) * scale, mask=rv[:, None])
+    tl.store(db_ptr + s * H + r * H + h, dbeta, mask=rv)
+    tl.store(dgc_ptr + (c * H + h).to(tl.int64) * K + ck, dgc, mask=mk)
+
+
+@triton.jit
+def _bwd_dense_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, tinv_ptr, dqg_ptr, dkd_ptr, dw_ptr, dt_ptr, dp_ptr, dgc_ptr,
+                      dq_ptr, dk_ptr, dgam_ptr, dge_ptr, db_ptr, da_ptr, cstart_ptr, cend_ptr, scale, H,
+                      K: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr):
+    """Per chunk, from the sums of ``_bwd_v_kernel``: fp32 partials of dq, dk, dβ (in place), dΓ, the prefix
+    terms of dg (``dge``), ``dA = −Tᵀ dT Tᵀ`` (strictly lower) and dP with its diagonal taken out. Columns of the
+    head dim are independent here, so they go in slices of KB (fewer live registers)."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.load(cstart_ptr + c).to(tl.int64)
+    e = tl.load(cend_ptr + c).to(tl.int64)
+    r = tl.arange(0, 64)
+    rv = r < e - s
+    off64 = s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :]
     # The diagonal of dP adds dP_ii (q_i k_iᵀ-terms) to dq and dk but exactly nothing to dΓ; kept out of the
     # pairwise terms so dΓ does not carry its rounding (it dominates dg when the decay is strong).
-    dp_diag = tl.sum(tl.where(r[:, None] == r[None, :], dp, 0.0), axis=1) * scale
-    dp = tl.where(r[:, None] > r[None, :], dp, 0.0) * scale
-    dq += dp_diag[:, None] * kk
-    dk += dp_diag[:, None] * qq
+    dp = tl.load(dp_ptr + off64, mask=rv[:, None], other=0.0)
+    dp_diag = tl.sum(tl.where(r[:, None] == r[None, :], dp, 0.0), axis=1)
+    tl.store(dp_ptr + off64, tl.where(r[:, None] > r[None, :], dp, 0.0), mask=rv[:, None])
+    beta = tl.load(b_ptr + s * H + r * H + h, mask=rv, other=0.0).to(tl.float32)
+    tinv = tl.load(tinv_ptr + off64, mask=rv[:, None], other=0.0)
+    dt = tl.load(dt_ptr + off64, mask=rv[:, None], other=0.0)
+    dbeta = tl.load(db_ptr + s * H + r * H + h, mask=rv, other=0.0)
+    shift = tl.where(r[:, None] == r[None, :] + 1, 1.0, 0.0)
+    for kh in range(0, BK, KB):
+        ck = kh + tl.arange(0, KB)
+        mk = ck < K
+        m2 = rv[:, None] & mk[None, :]
+        offk = s * (H * K) + h * K + r[:, None] * (H * K) + ck[None, :]
+        glast = tl.load(gam_ptr + s * (H * K) + h * K + (e - 1 - s) * (H * K) + ck, mask=mk, other=0.0)
+        gam = tl.where(rv[:, None], tl.load(gam_ptr + offk, mask=m2, other=0.0), glast[None, :])
+        kk = tl.load(k_ptr + offk, mask=m2, other=0.0).to(tl.float32)
+        # The Γ_C − Γ_t terms (K e^{Γ_C − Γ}) and Γ_C (e^{Γ_C} S0) add Σ_{t<s} Kd_t dKd_t + e^{Γ_C} Σ_v S0 dS_C
+        # to dg_s: an exclusive prefix sum (row shift by a 0/1 matmul), no large term added and taken away again.
+        ed = tl.exp(glast[None, :] - gam)
+        dkd = tl.load(dkd_ptr + offk, mask=m2, other=0.0)
+        dgc = tl.load(dgc_ptr + (c * H + h).to(tl.int64) * K + ck, mask=mk, other=0.0)
+        dge = tl.cumsum(tl.dot(shift, kk * ed * dkd, input_precision="tf32x3"), axis=0)
+        tl.store(dge_ptr + offk, dge + (tl.exp(glast) * dgc)[None, :], mask=m2)
+        dk = dkd * ed
+        eg = tl.exp(gam)
+        kg = kk * eg
+        dw = tl.load(dw_ptr + offk, mask=m2, other=0.0)
+        tdw = tl.dot(tl.trans(tinv), dw)
+        dt += tl.dot(dw, tl.trans(kg * beta[:, None]))
+        dkg = tdw * beta[:, None]
+        dbeta += tl.sum(kg * tdw, axis=1)
+        dk += dkg * eg
+        dgam = kg * dkg
+        qq = tl.load(q_ptr + offk, mask=m2, other=0.0).to(tl.float32)
+        dq = tl.load(dqg_ptr + offk, mask=m2, other=0.0) * eg * scale
+        tl.store(dgam_ptr + offk, dgam + qq * dq, mask=m2)
+        tl.store(dq_ptr + offk, dq + dp_diag[:, None] * kk, mask=m2)
+        tl.store(dk_ptr + offk, dk + dp_diag[:, None] * qq, mask=m2)
+    da = -tl.dot(tl.trans(tinv), tl.dot(dt, tl.trans(tinv)))
+    tl.store(da_ptr + off64, tl.where(r[:, None] > r[None, :], da, 0.0), mask=rv[:, None])
+    tl.store(db_ptr + s * H + r * H + h, dbeta, mask=rv)
 
-    # Pairwise terms, row side: X_i = Σ_{j<i} d[i, j] k_j e^{Γ_i − Γ_j}, anchor = first row of i's sub-block.
-    xp = tl.zeros((64, BK), dtype=tl.float32)
-    xa = tl.zeros((64, BK), dtype=tl.float32)
-    for I in tl.static_range(4):
-        a = I * 16
-        in_i = (r >= a) & (r < a + 16)
-        ga = _row(gam, r, a)
-        if SAFE:
-            cols = r < a
-        else:
-            cols = r < a + 16
-        kr = tl.where(cols[:, None], kk * tl.exp(tl.where(cols[:, None], ga[None, :] - gam, 0.0)), 0.0)
-        el = tl.exp(tl.where(in_i[:, None], gam - ga[None, :], 0.0))
-        xp += tl.where(in_i[:, None], el * tl.dot(dp, kr), 0.0)
-        xa += tl.where(in_i[:, None], el * tl.dot(da, kr), 0.0)
+
+@triton.jit
+def _bwd_pair_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, dp_ptr, da_ptr, dq32_ptr, dk32_ptr, dgam_ptr, db32_ptr,
+                     dq_ptr, dk_ptr, db_ptr, cstart_ptr, cend_ptr, H, K: tl.constexpr, BK: tl.constexpr,
+                     SAFE: tl.constexpr):
+    """The pairwise terms of rows ``16 I .. 16 I + 15`` of a chunk, added to the partials of ``_bwd_dense_kernel``:
+    row side ``X_i = Σ_{j<i} d[i, j] k_j e^{Γ_i − Γ_j}`` and column side ``Y_j = Σ_{i>j} d[i, j] x_i e^{Γ_i − Γ_j}``
+    for ``d`` = dP, dA. Dense: one dot each, anchored at the block's first row ``a`` (no later token can move
+    the rounding); SAFE: other blocks anchored at the block's first (row side) or last (column side) row, the
+    diagonal block pair by pair. Writes dq, dk, dβ (final) and dΓ (in place, for ``_bwd_dg_kernel``)."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    a = tl.program_id(2) * 16
+    s = tl.load(cstart_ptr + c).to(tl.int64)
+    e = tl.load(cend_ptr + c).to(tl.int64)
+    n = e - s
+    ri = a + tl.arange(0, 16)
+    rc = tl.arange(0, 64)
+    vi = ri < n
+    vc = rc < n
+    ck = tl.arange(0, BK)
+    mk = ck < K
+    mi = vi[:, None] & mk[None, :]
+    mcall = vc[:, None] & mk[None, :]
+    base = s * (H * K) + h * K
+    base64 = s * (H * 64) + h * 64
+    q_ptr += base
+    k_ptr += base
+    gam_ptr += base
+    offi = ri[:, None] * (H * K) + ck[None, :]
+    offc = rc[:, None] * (H * K) + ck[None, :]
+    glast = tl.load(gam_ptr + (n - 1) * (H * K) + ck, mask=mk, other=0.0)
+    ga = tl.load(gam_ptr + a * (H * K) + ck, mask=mk & (a + 0 * ck < n), other=0.0)
+    ga = tl.where(a < n, ga, glast)
+    gi = tl.where(vi[:, None], tl.load(gam_ptr + offi, mask=mi, other=0.0), glast[None, :])
+    ki = tl.load(k_ptr + offi, mask=mi, other=0.0).to(tl.float32)
+    qi = tl.load(q_ptr + offi, mask=mi, other=0.0).to(tl.float32)
+    gc = tl.where(vc[:, None], tl.load(gam_ptr + offc, mask=mcall, other=0.0), glast[None, :])
+    kc = tl.load(k_ptr + offc, mask=mcall, other=0.0).to(tl.float32)
+    dp_i = tl.load(dp_ptr + base64 + ri[:, None] * (H * 64) + rc[None, :], mask=vi[:, None], other=0.0)  # [16, 64]
+    da_i = tl.load(da_ptr + base64 + ri[:, None] * (H * 64) + rc[None, :], mask=vi[:, None], other=0.0)
+
+    # row side
+    if SAFE:
+        cols = rc < a
+    else:
+        cols = rc < a + 16
+    kr = tl.where(cols[:, None], kc * tl.exp(tl.where(cols[:, None], ga[None, :] - gc, 0.0)), 0.0)
+    el = tl.exp(gi - ga[None, :])
+    xp = el * tl.dot(dp_i, kr)
+    xa = el * tl.dot(da_i, kr)
+    # column side: columns of this block, rows after them
+    dp_c = tl.load(dp_ptr + base64 + rc[:, None] * (H * 64) + a + tl.arange(0, 16)[None, :], mask=vc[:, None],
+                   other=0.0)  # [64, 16]: d[i, j] for j in the block
+    bc = tl.load(b_ptr + s * H + rc * H + h, mask=vc, other=0.0).to(tl.float32)
+    dm_c = tl.load(da_ptr + base64 + rc[:, None] * (H * 64) + a + tl.arange(0, 16)[None, :], mask=vc[:, None],
+                   other=0.0) * bc[:, None]
+    if SAFE:
+        gb = tl.load(gam_ptr + tl.minimum(a + 15, n - 1) * (H * K) + ck, mask=mk, other=0.0)
+        rows = rc >= a + 16
+    else:
+        gb = ga
+        rows = rc >= a
+    er = tl.exp(tl.where(rows[:, None], gc - gb[None, :], 0.0))
+    qc = tl.load(q_ptr + offc, mask=mcall, other=0.0).to(tl.float32)
+    qt = tl.where(rows[:, None], qc * er, 0.0)
+    kt = tl.where(rows[:, None], kc * er, 0.0)
+    ej = tl.exp(gb[None, :] - gi)
+    yp = ej * tl.dot(tl.trans(dp_c), qt)
+    ym = ej * tl.dot(tl.trans(dm_c), kt)
     if SAFE:
         for jj in range(16):
-            ok = (r % 16) >= jj  # the partner is an earlier (or the same) token
-            sel = ok[:, None] & (r[None, :] == ((r // 16) * 16 + jj)[:, None])
-            ex = tl.exp(tl.where(ok[:, None], gam - _partner(gam, jj, BK), 0.0)) * _partner(kk, jj, BK)
-            xp += tl.sum(tl.where(sel, dp, 0.0), axis=1)[:, None] * ex
-            xa += tl.sum(tl.where(sel, da, 0.0), axis=1)[:, None] * ex
-    dq += xp
-    dk += xa * beta[:, None]
-    dbeta += tl.sum(kk * xa, axis=1)
-    dgam += qq * xp + kk * xa * beta[:, None]
+            j = a + jj
+            mj = mk & (j + 0 * ck < n)
+            gj = tl.load(gam_ptr + j * (H * K) + ck, mask=mj, other=0.0)
+            gj = tl.where(j < n, gj, glast)
+            kj = tl.load(k_ptr + j * (H * K) + ck, mask=mj, other=0.0).to(tl.float32)
+            qj = tl.load(q_ptr + j * (H * K) + ck, mask=mj, other=0.0).to(tl.float32)
+            # row side: partner j is an earlier (or the same) token of row i
+            ok = ri >= j
+            ex = tl.exp(tl.where(ok[:, None], gi - gj[None, :], 0.0)) * kj[None, :]
+            sel = ok[:, None] & (rc[None, :] == j)
+            xp += tl.sum(tl.where(sel, dp_i, 0.0), axis=1)[:, None] * ex
+            xa += tl.sum(tl.where(sel, da_i, 0.0), axis=1)[:, None] * ex
+            # column side: partner j is a later (or the same) token of column i
+            ok = ri <= j
+            ey = tl.exp(tl.where(ok[:, None], gj[None, :] - gi, 0.0))
+            sel = ok[:, None] & (rc[None, :] == j)
+            dpj = tl.sum(tl.where(sel, tl.trans(dp_c), 0.0), axis=1)
+            dmj = tl.sum(tl.where(sel, tl.trans(dm_c), 0.0), axis=1)
+            yp += dpj[:, None] * (ey * qj[None, :])
+            ym += dmj[:, None] * (ey * kj[None, :])
+    bi = tl.load(b_ptr + s * H + ri * H + h, mask=vi, other=0.0).to(tl.float32)
+    dq = tl.load(dq32_ptr + base + offi, mask=mi, other=0.0) + xp
+    dk = tl.load(dk32_ptr + base + offi, mask=mi, other=0.0) + xa * bi[:, None] + yp + ym
+    dgam = tl.load(dgam_ptr + base + offi, mask=mi, other=0.0) + qi * xp + ki * xa * bi[:, None] - ki * (yp + ym)
+    dbeta = tl.load(db32_ptr + s * H + ri * H + h, mask=vi, other=0.0) + tl.sum(ki * xa, axis=1)
+    tl.store(dq_ptr + base + offi, dq.to(dq_ptr.dtype.element_ty), mask=mi)
+    tl.store(dk_ptr + base + offi, dk.to(dk_ptr.dtype.element_ty), mask=mi)
+    tl.store(dgam_ptr + base + offi, dgam, mask=mi)
+    tl.store(db_ptr + s * H + ri * H + h, dbeta.to(db_ptr.dtype.element_ty), mask=vi)
 
-    # Column side: Y_j = Σ_{i>j} d[i, j] x_i e^{Γ_i − Γ_j}. Dense: anchor = first row of j's sub-block (no later
-    # token can move the rounding); safe: rows of later sub-blocks only, anchor = the sub-block's last row
-    # (those products vanish when the rows after a changed token carry no gradient).
-    dm = da * beta[:, None]
-    yp = tl.zeros((64, BK), dtype=tl.float32)
-    ym = tl.zeros((64, BK), dtype=tl.float32)
-    for I in tl.static_range(4):
-        a = I * 16
-        in_i = (r >= a) & (r < a + 16)
-        if SAFE:
-            gb = _row(gam, r, a + 15)
-            rows = r >= a + 16
-        else:
-            gb = _row(gam, r, a)
-            rows = r >= a
-        er = tl.exp(tl.where(rows[:, None], gam - gb[None, :], 0.0))
-        qt = tl.where(rows[:, None], qq * er, 0.0)
-        kt = tl.where(rows[:, None], kk * er, 0.0)
-        ej = tl.exp(tl.where(in_i[:, None], gb[None, :] - gam, 0.0))
-        yp += tl.where(in_i[:, None], ej * tl.dot(tl.trans(dp), qt), 0.0)
-        ym += tl.where(in_i[:, None], ej * tl.dot(tl.trans(dm), kt), 0.0)
-    if SAFE:
-        dpt = tl.trans(dp)
-        dmt = tl.trans(dm)
-        for jj in range(16):
-            ok = (r % 16) <= jj  # the partner is a later (or the same) token
-            sel = ok[:, None] & (r[None, :] == ((r // 16) * 16 + jj)[:, None])
-            gp = _partner(gam, jj, BK)
-            ey = tl.exp(tl.where(ok[:, None], gp - gam, 0.0))
-            yp += tl.sum(tl.where(sel, dpt, 0.0), axis=1)[:, None] * (ey * _partner(qq, jj, BK))
-            ym += tl.sum(tl.where(sel, dmt, 0.0), axis=1)[:, None] * (ey * _partner(kk, jj, BK))
-    dk += yp + ym
-    dgam -= kk * (yp + ym)
-    dg = tl.sum(dgam, axis=0)[None, :] - tl.cumsum(dgam, axis=0) + dgam + dg_end  # suffix sums of dΓ
-    tl.store(dq_ptr + offk, dq.to(dq_ptr.dtype.element_ty), mask=m2)
-    tl.store(dk_ptr + offk, dk.to(dk_ptr.dtype.element_ty), mask=m2)
-    tl.store(dg_ptr + offk, dg.to(dg_ptr.dtype.element_ty), mask=m2)
-    tl.store(db_ptr + t * H + h, dbeta.to(db_ptr.dtype.element_ty), mask=rv)
+
+@triton.jit
+def _bwd_dg_kernel(dgam_ptr, dge_ptr, dg_ptr, cstart_ptr, cend_ptr, H, K: tl.constexpr, BK: tl.constexpr):
+    """dg = suffix sums of dΓ within the chunk, plus the prefix terms."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.load(cstart_ptr + c).to(tl.int64)
+    e = tl.load(cend_ptr + c).to(tl.int64)
+    r = tl.arange(0, 64)
+    ck = tl.arange(0, BK)
+    m2 = (r < e - s)[:, None] & (ck < K)[None, :]
+    off = s * (H * K) + h * K + r[:, None] * (H * K) + ck[None, :]
+    dgam = tl.load(dgam_ptr + off, mask=m2, other=0.0)
+    dg = tl.sum(dgam, axis=0)[None, :] - tl.cumsum(dgam, axis=0) + dgam + tl.load(dge_ptr + off, mask=m2, other=0.0)
+    tl.store(dg_ptr + off, dg.to(dg_ptr.dtype.element_ty), mask=m2)
 
 
 # --------------------------------------------------------------------------------------------------- decode
@@ -588,22 +701,27 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     nw = 8 if q.is_cuda else 4
     if NC > 0:
         mode, a, dtb, lb = gate
-        _gate_cumsum_kernel[(NC, H)](g, a, dtb, gam, cstart, cend, lb, H, K, BK, GATE=mode, num_warps=4)
-        _intra_kernel[(NC, H, 4)](q, k, gam, beta, akk, aqk, cstart, cend, scale, H, K, BK, SAFE=safe, num_warps=4)
+        _gate_cumsum_kernel[(NC, H)](g, a, dtb, gam, cstart, cend, lb, H, K, BK, GATE=mode, num_warps=nw)
+        _intra_kernel[(NC, H, 4)](q, k, gam, beta, akk, aqk, cstart, cend, scale, H, K, BK, SAFE=safe, num_warps=nw)
         _solve_kernel[(NC, H)](akk, tinv, cstart, cend, H, num_warps=4)
         del akk
         _wu_kernel[(NC, H)](q, k, v, beta, gam, tinv, w, u0, qg, kd, dl, cstart, cend, scale, H, K, V, BK, BVf,
                             num_warps=nw)
     out = dict(gam=gam, aqk=aqk, tinv=tinv, w=w, qg=qg, kd=kd, dl=dl)
     ht = torch.empty(N, H, K, V, **f32) if (output_final_state and not for_backward) else None
-    o = None if for_backward else torch.empty(TT, H, V, device=q.device, dtype=q.dtype)
-    hs = torch.empty(max(NC, 1), H, K, V, **f32) if for_backward else gam
-    us = torch.empty(TT, H, V, **f32) if for_backward else u0
-    grid = (triton.cdiv(V, BV), N, H)
-    _fwd_state_kernel[grid](qg, kd, dl, w, u0, aqk, o if o is not None else us, h0 if h0 is not None else gam,
-                            ht if ht is not None else gam, hs, us, cu, coff, H, K, V, BK, BV,
-                            HAS_H0=h0 is not None, STORE_HT=ht is not None, STORE_H=for_backward,
-                            WRITE_O=not for_backward, num_warps=nw, num_stages=1)
+    hs = torch.empty(max(NC, 1), H, K, V, **f32)
+    _fwd_state_kernel[(triton.cdiv(V, BV), N, H)](kd, dl, w, u0, h0 if h0 is not None else gam,
+                                                  ht if ht is not None else gam, hs, cu, coff, H, K, V, BK, BV,
+                                                  HAS_H0=h0 is not None, STORE_HT=ht is not None, num_warps=nw,
+                                                  num_stages=1)
+    us = u0  # U0 was overwritten with U
+    o = None
+    if not for_backward:
+        o = torch.empty(TT, H, V, device=q.device, dtype=q.dtype)
+        BVo = min(BVf, 64)
+        if NC > 0:
+            _fwd_o_kernel[(NC, H, triton.cdiv(V, BVo))](qg, aqk, hs, us, o, cstart, cend, H, K, V, BK, BVo,
+                                                       num_warps=nw)
     out.update(o=o, ht=ht, hs=hs, us=us)
     return out
 
@@ -629,9 +747,19 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht):
     dv = torch.empty_like(v)
     db = torch.empty_like(beta)
     if NC > 0:
-        _bwd_chunk_kernel[(NC, H)](q, k, v, beta, fw["gam"], fw["tinv"], fw["hs"], dhs, fw["us"], dus, do,
-                                   dq, dk, dv, dg, db, cstart, cend, scale, H, K, V, BK, BV, SAFE=safe,
-                                   num_warps=8 if q.is_cuda else 4)
+        nw = 8 if q.is_cuda else 4
+        dqg, dkd, dw, dq32, dk32, dgam, dge = (torch.empty(TT, H, K, **f32) for _ in range(7))
+        dt, da = torch.empty(TT, H, 64, **f32), torch.empty(TT, H, 64, **f32)
+        dp = fw["aqk"]  # A_qk is not needed any more: its buffer takes dP
+        db32 = torch.empty(TT, H, **f32)
+        dgc = torch.empty(NC, H, K, **f32)
+        _bwd_v_kernel[(NC, H)](v, beta, fw["tinv"], fw["hs"], dhs, fw["us"], dus, do, dv, dqg, dkd, dw, dt, dp, db32,
+                               dgc, cstart, cend, scale, H, K, V, BK, BV, num_warps=nw, num_stages=1)
+        _bwd_dense_kernel[(NC, H)](q, k, beta, fw["gam"], fw["tinv"], dqg, dkd, dw, dt, dp, dgc, dq32, dk32, dgam,
+                                   dge, db32, da, cstart, cend, scale, H, K, BK, min(BK, 32), num_warps=nw, num_stages=1)
+        _bwd_pair_kernel[(NC, H, 4)](q, k, beta, fw["gam"], dp, da, dq32, dk32, dgam, db32, dq, dk, db, cstart,
+                                     cend, H, K, BK, SAFE=safe, num_warps=nw)
+        _bwd_dg_kernel[(NC, H)](dgam, dge, dg, cstart, cend, H, K, BK, num_warps=nw)
     return dq, dk, dv, dg, db, dh0
 
 
