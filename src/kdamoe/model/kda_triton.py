@@ -33,6 +33,7 @@ import triton.language as tl
 CHUNK = 64
 GATES = ("bounded", "softplus")
 L2NORM_EPS = 1e-6
+STATES_LIMIT_BYTES = 4 << 30  # forward without autograd: keep per-chunk states (faster) up to this size
 
 
 # --------------------------------------------------------------------------------------------------- helpers
@@ -319,6 +320,34 @@ def _fwd_state_kernel(q_ptr, gam_ptr, aqk_ptr, o_ptr, kd_ptr, dl_ptr, w_ptr, u_p
         S = S * dl[:, None] + tl.dot(tl.trans(kd), u)
     if STORE_HT:
         tl.store(ht_ptr + state_off + offs_s, S, mask=ms)
+
+
+@triton.jit
+def _fwd_o_kernel(q_ptr, gam_ptr, aqk_ptr, hs_ptr, us_ptr, o_ptr, cstart_ptr, cend_ptr, scale, H, K: tl.constexpr,
+                  V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """``O = (scale Q e^Γ) S0 + P U`` of one chunk and V block, from the states stored by the chunk loop."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    cv = tl.program_id(2) * BV + tl.arange(0, BV)
+    s = tl.load(cstart_ptr + c).to(tl.int64)
+    e = tl.load(cend_ptr + c).to(tl.int64)
+    r = tl.arange(0, 64)
+    rv = r < e - s
+    ck = tl.arange(0, BK)
+    mk = ck < K
+    mv = cv < V
+    mv2 = rv[:, None] & mv[None, :]
+    offk = s * (H * K) + h * K + r[:, None] * (H * K) + ck[None, :]
+    m2 = rv[:, None] & mk[None, :]
+    qg = tl.load(q_ptr + offk, mask=m2, other=0.0).to(tl.float32)
+    qg *= tl.exp(tl.load(gam_ptr + offk, mask=m2, other=0.0)) * scale
+    s0 = tl.load(hs_ptr + (c * H + h).to(tl.int64) * (K * V) + ck[:, None] * V + cv[None, :],
+                 mask=mk[:, None] & mv[None, :], other=0.0)
+    aqk = tl.load(aqk_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None], other=0.0)
+    offv = s * (H * V) + h * V + r[:, None] * (H * V) + cv[None, :]
+    u = tl.load(us_ptr + offv, mask=mv2, other=0.0)
+    o = tl.dot(qg, s0) + tl.dot(aqk, u)
+    tl.store(o_ptr + offv, o.to(o_ptr.dtype.element_ty), mask=mv2)
 
 
 # --------------------------------------------------------------------------------------------------- backward
@@ -719,14 +748,21 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     if not for_backward:
         del out["tinv"], tinv
     ht = torch.empty(N, H, K, V, **f32) if (output_final_state and not for_backward) else None
-    hs = torch.empty(max(NC, 1), H, K, V, **f32) if for_backward else None
+    # Per-chunk states: kept when the backward needs them, or when small enough (then O runs in a parallel kernel
+    # and the loop prefetches); otherwise (a 1M-token forward) the loop writes O itself and keeps none.
+    keep_states = for_backward or NC * H * K * V * 4 <= STATES_LIMIT_BYTES
+    hs = torch.empty(max(NC, 1), H, K, V, **f32) if keep_states else None
     o = None if for_backward else torch.empty(TT, H, V, device=q.device, dtype=q.dtype)
     dummy = gam
     _fwd_state_kernel[(triton.cdiv(V, BV), N, H)](
         q, gam, aqk, o if o is not None else dummy, kd, dl, w, u0, h0 if h0 is not None else dummy,
         ht if ht is not None else dummy, hs if hs is not None else dummy, cu, coff, scale, H, K, V, BK, BV,
-        HAS_H0=h0 is not None, STORE_HT=ht is not None, STORE_H=for_backward, WRITE_O=not for_backward,
-        num_warps=nw, num_stages=2 if (for_backward and BK <= 128) else 1)  # prefetch: 4-8% faster (H200)
+        HAS_H0=h0 is not None, STORE_HT=ht is not None, STORE_H=keep_states, WRITE_O=not keep_states,
+        num_warps=nw, num_stages=2 if (keep_states and BK <= 128) else 1)  # prefetch: 4-8% faster (H200)
+    if o is not None and keep_states and NC > 0:
+        BVo = min(BVf, 64)
+        _fwd_o_kernel[(NC, H, triton.cdiv(V, BVo))](q, gam, aqk, hs, u0, o, cstart, cend, scale, H, K, V, BK, BVo,
+                                                   num_warps=nw)
     us = u0  # U0 was overwritten with U
     out.update(o=o, ht=ht, hs=hs, us=us)
     return out
