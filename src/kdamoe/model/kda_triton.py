@@ -17,13 +17,13 @@ included, is one dense ``tl.dot``. Exponents of later (non-causal) columns are m
 so nothing overflows and future tokens never reach earlier outputs. With ``safe=True`` (the unbounded
 softplus gate) the diagonal sub-blocks are computed pair by pair with masked exponents ``<= 0``.
 
-Kernels: ``_prep`` (per chunk: Γ, A_qk, T by matmuls only, W, U0, and Q e^Γ, K e^{Γ_C − Γ}, e^{Γ_C} for
-the chunk loop), ``_fwd_state`` (per sequence and V block: the chunk loop that carries the state and writes
-O), and for the backward ``_bwd_state`` (the reverse chunk loop carrying dS) and ``_bwd_chunk`` (per chunk:
-all input gradients, dg from the suffix sums of dΓ). The backward recomputes the forward intermediates, so
-nothing but the inputs is kept between forward and backward (memory linear in T). With
-``use_gate_in_kernel`` the gate (raw input → log-decay) runs inside ``_prep`` and its backward in torch; the
-q/k L2 norm runs in torch before the kernels.
+Forward kernels: ``_gate_cumsum`` (fused gate, Γ), ``_intra`` (A_kk, A_qk per 16-row block), ``_solve`` (T by
+16 x 16 blocks), ``_wu`` (W, U0 and the loop's operands), ``_fwd_state`` (per sequence, head and V block: the
+sequential chunk loop) and ``_fwd_o`` (O per chunk, in parallel, from the stored states). Backward: the forward
+preparation and loop are recomputed (only the inputs are kept between forward and backward: memory linear in
+T), then ``_bwd_state`` (the reverse loop carrying dS), ``_bwd_v`` (sums over V), ``_bwd_dense`` (dA and the
+dense parts of dq, dk, dΓ), ``_bwd_pair`` (pairwise terms per 16-row block) and ``_bwd_dg`` (suffix sums of dΓ
+and the gate's chain rule). The q/k L2 norm runs in torch before the kernels.
 """
 
 import torch
@@ -34,30 +34,6 @@ CHUNK = 64
 GATES = ("bounded", "softplus")
 L2NORM_EPS = 1e-6
 STATES_LIMIT_BYTES = 4 << 30  # forward without autograd: keep per-chunk states (faster) up to this size
-
-
-# --------------------------------------------------------------------------------------------------- helpers
-@triton.jit
-def _row(x, r, i):
-    """Row ``i`` of a ``[64, N]`` tile as ``[N]``."""
-    return tl.sum(tl.where(r[:, None] == i, x, 0.0), axis=0)
-
-
-@triton.jit
-def _partner(x, jj, BK: tl.constexpr):
-    """``[64, BK]`` tile whose row t holds row ``16 * (t // 16) + jj`` of ``x``."""
-    x3 = tl.reshape(x, (4, 16, BK))
-    r16 = tl.arange(0, 16)
-    y = tl.sum(tl.where(r16[None, :, None] == jj, x3, 0.0), axis=1)
-    return tl.reshape(tl.broadcast_to(y[:, None, :], (4, 16, BK)), (64, BK))
-
-
-@triton.jit
-def _load_gamma(gam_ptr, offk, m2, rv, last_ptr, ck, mk):
-    """Γ of a chunk with rows past its end continued at Γ of the last valid row (keeps anchors bounded)."""
-    gam = tl.load(gam_ptr + offk, mask=m2, other=0.0)
-    glast = tl.load(last_ptr + ck, mask=mk, other=0.0)
-    return tl.where(rv[:, None], gam, glast[None, :]), glast
 
 
 # --------------------------------------------------------------------------------------------------- forward
@@ -799,7 +775,8 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht):
         _bwd_v_kernel[(NC, H)](v, beta, fw["tinv"], fw["hs"], dhs, fw["us"], dus, do, dv, dqg, dkd, dw, dt, dp, db32,
                                dgc, cstart, cend, scale, H, K, V, BK, BV, num_warps=nw, num_stages=1)
         _bwd_dense_kernel[(NC, H)](q, k, beta, fw["gam"], fw["tinv"], dqg, dkd, dw, dt, dp, dgc, dq32, dk32, dgam,
-                                   dge, db32, da, cstart, cend, scale, H, K, BK, min(BK, 32), num_warps=nw, num_stages=1)
+                                   dge, db32, da, cstart, cend, scale, H, K, BK, min(BK, 32), num_warps=nw,
+                                   num_stages=1)
         _bwd_pair_kernel[(NC, H, 4)](q, k, beta, fw["gam"], dp, da, dq32, dk32, dgam, db32, dq, dk, db, cstart,
                                      cend, H, K, BK, SAFE=safe, num_warps=nw)
         mode, a, dtb, lb = gate
@@ -847,8 +824,8 @@ class _ChunkKDAFunction(torch.autograd.Function):
         if dt_bias is not None:
             ddt_bias = dgate[1].reshape(dt_bias.shape).to(dt_bias.dtype)
         dh0 = None if dh0 is None else dh0.to(h0.dtype)
-        return (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), dg.reshape(g.shape), db.reshape(beta.shape),
-                dA_log, ddt_bias, None, dh0, None, None, None, None, None)
+        return (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), dg.reshape(g.shape),
+                db.reshape(beta.shape), dA_log, ddt_bias, None, dh0, None, None, None, None, None)
 
 
 def _gate_args(mode, A_log, dt_bias, lb, H, K, device):
