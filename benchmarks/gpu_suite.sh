@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session for everything (run through the `device` tool from the repo root, ~9 min with KDA=1):
-#   KDA=1: the CUDA KDA kernel tests and benchmarks/bench_kda.py (vs fla-core and SDPA, 1M-token forward);
+#   KDA=1: the CUDA KDA kernel tests, benchmarks/bench_kda.py (vs fla-core and SDPA, 1M-token forward) and
+#   benchmarks/profile_ops.py (kernel tables);
 #   CUDA-only MoE tests, benchmarks/bench_moe.py, a short `small`-preset training run for tokens/s and MFU,
 #   and a torch.profiler table of one `small` training step (benchmarks/profile_step.py).
 # Carries: .whl (datasets, dill, multiprocess, fla-core wheels) and .gpu/tok32k (a BPE trained here, so no device
@@ -20,6 +21,8 @@ if [ "${KDA:-0}" = 1 ]; then
   python3 -m pytest -q tests/test_kda_triton.py 2>&1 | tail -5
   echo "== bench_kda"
   python3 benchmarks/bench_kda.py --out "$OUT/bench_kda.json" 2>&1 | tee "$OUT/bench_kda.log" | tail -20
+  echo "== per-kernel tables (ours vs fla-core, MoE experts vs bare grouped_mm)"
+  (cd benchmarks && python3 profile_ops.py --out "$OUT/profile_ops.json" 2>&1 | grep -v -i warn > "$OUT/profile_ops.log")
 fi
 
 echo "== CUDA MoE tests"
