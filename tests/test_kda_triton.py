@@ -202,6 +202,30 @@ def test_fused_gate_and_l2norm_match_torch_backend(gate):
 
 
 @kernel_test
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+@pytest.mark.parametrize("with_A_log", [True, False])
+def test_fused_gate_backward_with_optional_parameters(gate, with_A_log):
+    """The gate's chain rule runs in the last backward kernel: A_log or dt_bias may be absent."""
+    B, T, H, K = 1, 70, 2, 16
+    gen = torch.Generator().manual_seed(5)
+    q, k, v, g_raw = (torch.randn(B, T, H, K, generator=gen).to(DEV) for _ in range(4))
+    q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    beta = torch.rand(B, T, H, generator=gen).to(DEV)
+    param = (torch.rand(H, generator=gen) if with_A_log else torch.randn(H, K, generator=gen)).to(DEV)
+    name = "A_log" if with_A_log else "dt_bias"
+    kw = dict(use_gate_in_kernel=True, lower_bound=-5.0 if gate == "bounded" else None, gate=gate)
+    grads = []
+    for fn, dtype in ((kda_triton.chunk_kda_triton, torch.float32), (kda.chunk_kda, torch.float64)):
+        leaves = [x.detach().to(dtype).clone().requires_grad_() for x in (g_raw, param)]
+        extra = {} if fn is kda_triton.chunk_kda_triton else dict(backend="torch")
+        o, _ = fn(q.to(dtype), k.to(dtype), v.to(dtype), leaves[0], beta.to(dtype), **kw, **{name: leaves[1]}, **extra)
+        o.sum().backward()
+        grads.append([x.grad for x in leaves])
+    for got, want in zip(*grads):
+        assert rel(got, want) < GRAD_TOL
+
+
+@kernel_test
 def test_recurrent_matches_oracle_and_updates_state_in_place():
     B, H, K, V = 2, 2, 16, 32
     q, k, v, g, beta = make_inputs(B, 3, H, K, V, "softplus")
