@@ -43,7 +43,8 @@ def kda(res):
         impls["fla"] = bench_kda.run_fla
     for B, T in ((4, 8192), (1, 32768)):
         x = bench_kda.make(B, T)
-        leaves = {n: x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta")}
+        for n in ("q", "k", "v", "g", "beta"):
+            x[n].requires_grad_()
         do = torch.randn_like(x["v"])
         for name, fn in impls.items():
             def fwd():
