@@ -46,11 +46,21 @@ def make(B, T, seed=0, device="cuda"):
     return dict(q=q, k=k, v=v, g=g_raw, beta=beta, A_log=A_log, dt_bias=dt_bias)
 
 
-def run_ours(x, gate):
+def run_ours(x, gate, fn=chunk_kda_triton):
     lb = LB if gate == "bounded" else None
     A_log = torch.zeros_like(x["A_log"]) if gate == "bounded" else x["A_log"]  # DESIGN: bounded A_log init 0
-    return chunk_kda_triton(x["q"], x["k"], x["v"], x["g"], x["beta"], use_gate_in_kernel=True, A_log=A_log,
-                            dt_bias=x["dt_bias"], lower_bound=lb, gate=gate)[0]
+    return fn(x["q"], x["k"], x["v"], x["g"], x["beta"], use_gate_in_kernel=True, A_log=A_log,
+              dt_bias=x["dt_bias"], lower_bound=lb, gate=gate)[0]
+
+
+def load_alt(path):
+    """``chunk_kda_triton`` of another version of ``kda_triton.py`` (e.g. ``git show BRANCH:src/kdamoe/model/
+    kda_triton.py > /tmp/alt.py``), for an A/B timing of two kernel versions in one run."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("kda_triton_alt", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return lambda x, gate: run_ours(x, gate, module.chunk_kda_triton)
 
 
 def run_fla(x, gate):
@@ -187,6 +197,7 @@ def main():
     ap.add_argument("--impls", default="ours-bounded,ours-softplus,fla-bounded,sdpa", help="comma-separated")
     ap.add_argument("--skip-checks", action="store_true", help="no float64 / GPU checks (timings only)")
     ap.add_argument("--no-million", action="store_true", help="skip the 1M-token forward")
+    ap.add_argument("--alt", default=None, help="another kda_triton.py, timed as alt-bounded / alt-softplus")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_kda.json"))
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
@@ -199,6 +210,10 @@ def main():
         pass
     wanted = args.impls.split(",")
     impls = {"ours-bounded": (run_ours, "bounded"), "ours-softplus": (run_ours, "softplus")}
+    if args.alt:
+        run_alt = load_alt(args.alt)
+        impls.update({"alt-bounded": (run_alt, "bounded"), "alt-softplus": (run_alt, "softplus")})
+        wanted += [n for n in ("alt-bounded", "alt-softplus") if n.replace("alt", "ours") in wanted]
     if fla_chunk_kda is not None:
         impls["fla-bounded"] = (run_fla, "bounded")
     impls = {n: f for n, f in impls.items() if n in wanted}
