@@ -32,6 +32,16 @@ GRAD_TOL = 1e-2 if ON_GPU else 1e-4
 gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 
 
+def assert_gradients_match(outs, ref_outs, leaves, ref_leaves, tol):
+    """Backpropagate the same random cotangents through ``(o, final_state)`` and its float64 reference; the
+    gradients of ``q, k, v, g, beta, h0`` must agree to ``tol``."""
+    cotangents = [torch.randn_like(x) for x in outs]
+    torch.autograd.backward(list(outs), cotangents)
+    torch.autograd.backward(list(ref_outs), [c.double() for c in cotangents])
+    for name, x, y in zip("q k v g beta h0".split(), leaves, ref_leaves):
+        assert rel(x.grad, y.grad) < tol, name
+
+
 @pytest.mark.skipif(not NEEDS_SUBPROCESS, reason="the kernels run in this process")
 def test_kernels_in_interpreter_subprocess():
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -101,11 +111,7 @@ def test_backward_matches_oracle(gate):
     ys = [x.double().clone().requires_grad_() for x in inputs]
     o, ht = kda_triton.chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True, gate=gate)
     ro, rht = kda.naive_recurrent_kda(*ys[:5], initial_state=ys[5], output_final_state=True)
-    do, dht = torch.randn_like(o), torch.randn_like(ht)
-    torch.autograd.backward([o, ht], [do, dht])
-    torch.autograd.backward([ro, rht], [do.double(), dht.double()])
-    for name, x, y in zip("q k v g beta h0".split(), xs, ys):
-        assert rel(x.grad, y.grad) < GRAD_TOL, name
+    assert_gradients_match((o, ht), (ro, rht), xs, ys, GRAD_TOL)
 
 
 @kernel_test
@@ -158,12 +164,8 @@ def test_extreme_gates_gradients(gate, value):
     ys = [x.double().clone().requires_grad_() for x in inputs]
     o, ht = kda_triton.chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True, gate=gate)
     ro, rht = kda.naive_recurrent_kda(*ys[:5], initial_state=ys[5], output_final_state=True)
-    do, dht = torch.randn_like(o), torch.randn_like(ht)
-    torch.autograd.backward([o, ht], [do, dht])
-    torch.autograd.backward([ro, rht], [do.double(), dht.double()])
     assert rel(o, ro) < TOL
-    for name, x, y in zip("q k v g beta h0".split(), xs, ys):
-        assert rel(x.grad, y.grad) < GRAD_TOL, name
+    assert_gradients_match((o, ht), (ro, rht), xs, ys, GRAD_TOL)
 
 
 @kernel_test
@@ -285,11 +287,7 @@ def test_gpu_extreme_gates_and_varlen(gate, extreme):
     ys = [x.double().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
     ro, rht = kda.chunk_kda(*ys[:5], initial_state=ys[5], output_final_state=True, cu_seqlens=cu, backend="torch")
     assert rel(o, ro) < 5e-3 and rel(ht, rht) < 5e-3
-    do, dht = torch.randn_like(o), torch.randn_like(ht)
-    torch.autograd.backward([o, ht], [do, dht])
-    torch.autograd.backward([ro, rht], [do.double(), dht.double()])
-    for name, x, y in zip("q k v g beta h0".split(), xs, ys):
-        assert rel(x.grad, y.grad) < 1e-2, name
+    assert_gradients_match((o, ht), (ro, rht), xs, ys, 1e-2)
 
 
 @gpu_only
@@ -301,11 +299,7 @@ def test_gpu_backward(gate, T):
     ys = [x.double().clone().requires_grad_() for x in inputs]
     o, ht = kda_triton.chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True, gate=gate)
     ro, rht = oracle(*ys[:5], h0=ys[5])
-    do, dht = torch.randn_like(o), torch.randn_like(ht)
-    torch.autograd.backward([o, ht], [do, dht])
-    torch.autograd.backward([ro, rht], [do.double(), dht.double()])
-    for name, x, y in zip("q k v g beta h0".split(), xs, ys):
-        assert rel(x.grad, y.grad) < 1e-2, name
+    assert_gradients_match((o, ht), (ro, rht), xs, ys, 1e-2)
 
 
 @gpu_only

@@ -762,7 +762,10 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht):
         STORE_DH0=dh0 is not None, num_warps=8 if q.is_cuda else 4, num_stages=1)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty_like(g)
-    dgate = (torch.zeros(H, **f32), torch.zeros(H, K, **f32)) if gate[0] else None  # (Σ over chunks of) A_log, dt_bias
+    mode, a, dtb, lb = gate
+    # the fused gate's per-chunk partial gradients of A_log and dt_bias (zeros when there is no chunk)
+    da_part = torch.zeros(max(NC, 1), H, **f32) if mode else dg
+    ddtb_part = torch.zeros(max(NC, 1), H, K, **f32) if mode else dg
     dv = torch.empty_like(v)
     db = torch.empty_like(beta)
     if NC > 0:
@@ -779,13 +782,9 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht):
                                    num_stages=1)
         _bwd_pair_kernel[(NC, H, 4)](q, k, beta, fw["gam"], dp, da, dq32, dk32, dgam, db32, dq, dk, db, cstart,
                                      cend, H, K, BK, SAFE=safe, num_warps=nw)
-        mode, a, dtb, lb = gate
-        da_part = torch.empty(NC, H, **f32) if mode else dgam
-        ddtb_part = torch.empty(NC, H, K, **f32) if mode else dgam
         _bwd_dg_kernel[(NC, H)](dgam, dge, g, a, dtb, dg, da_part, ddtb_part, cstart, cend, lb, H, K, BK, GATE=mode,
                                 num_warps=nw)
-        if mode:
-            dgate = (da_part.sum(0), ddtb_part.sum(0))
+    dgate = (da_part.sum(0), ddtb_part.sum(0)) if mode else None
     return dq, dk, dv, dg, db, dh0, dgate
 
 
