@@ -320,6 +320,42 @@ def test_router_weights_and_biased_selection():
     torch.testing.assert_close(cutoff.double(), biased.gather(1, order[:, 3:4]).squeeze(1), rtol=1e-6, atol=1e-6)
 
 
+def test_router_logits_stay_fp32_under_autocast():
+    """DESIGN §3: the router runs in fp32 even when autocast would make the linear layer bf16."""
+    router = init_(KDAMoERouter(make_config(num_experts=8)))
+    x = torch.randn(64, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, scores, *_ = router(x)
+    assert logits.dtype == scores.dtype == torch.float32
+    torch.testing.assert_close(logits.double(), x.double() @ router.weight.double().T, rtol=1e-6, atol=1e-6)
+
+
+def test_router_logits_gradients_match_float64():
+    x = torch.randn(5, 3, 7, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(5, 3, 4, dtype=torch.float64)
+    got = torch.autograd.grad(moe._RouterLogits.apply(x, w), (x, w), g)
+    want = torch.autograd.grad(x @ w.T, (x, w), g)
+    for a, b in zip(got, want):
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_router_bf16_logits_are_exact_products_in_fp32():
+    """bf16 operands: fp32-output GEMM == widening first (exact products); gradients vs float64."""
+    x = torch.randn(300, 256, device="cuda").bfloat16().requires_grad_()
+    w = (torch.randn(16, 256, device="cuda") * 0.05).bfloat16().requires_grad_()
+    logits = moe._RouterLogits.apply(x, w)
+    want = x.double() @ w.double().T
+    assert logits.dtype == torch.float32
+    assert ((logits.double() - want).norm() / want.norm()).item() < 1e-6
+    g = torch.randn(300, 16, device="cuda")
+    logits.backward(g)
+    for got, ref in ((x.grad, g.double() @ w.double()), (w.grad, g.double().T @ x.double())):
+        assert got.dtype == torch.bfloat16 and ((got.double() - ref).norm() / ref.norm()).item() < 1e-2
+
+
 def test_router_bias_is_a_persistent_fp32_buffer():
     router = KDAMoERouter(make_config())
     assert "bias" in router.state_dict() and router.bias.dtype == torch.float32

@@ -266,6 +266,45 @@ class KDAMoEExperts(nn.Module):
 # ----------------------------------------------------------------------------------------------- router + balancing
 
 
+class _RouterLogits(torch.autograd.Function):
+    """`x [N, D] @ weight [E, D]ᵀ -> logits [N, E]` in fp32 whatever autocast says: expert selection and
+    the balancing statistics come from these. 16-bit CUDA operands of one dtype take a 16-bit GEMM with fp32 output
+    (exact products, fp32 sums: the same logits as widening first, at tensor-core speed); the backward rounds the
+    logits' gradient to that dtype, as any 16-bit linear layer does. Anything else is computed in fp32."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        with torch.autocast(x.device.type, enabled=False):
+            if _fp32_output_gemm(x, weight):
+                return torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32).view(
+                    *x.shape[:-1], -1)
+            return x.float() @ weight.float().t()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_w = None
+        with torch.autocast(x.device.type, enabled=False):
+            if _fp32_output_gemm(x, weight):
+                g = grad.reshape(-1, grad.shape[-1]).to(x.dtype)
+                if ctx.needs_input_grad[0]:
+                    grad_x = (g @ weight).view_as(x)
+                if ctx.needs_input_grad[1]:
+                    grad_w = torch.mm(g.t(), x.reshape(-1, x.shape[-1]), out_dtype=torch.float32).to(weight.dtype)
+            else:
+                if ctx.needs_input_grad[0]:
+                    grad_x = (grad @ weight.float()).to(x.dtype)
+                if ctx.needs_input_grad[1]:
+                    g, xs = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+                    grad_w = (g.t() @ xs.float()).to(weight.dtype)
+        return grad_x, grad_w
+
+
+def _fp32_output_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float16)
+
+
 class KDAMoERouter(nn.Module):
     """Sigmoid router. `weight [E, D]`; persistent fp32 buffer `bias [E]` used for expert selection only.
 
@@ -290,7 +329,7 @@ class KDAMoERouter(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor):
-        logits = F.linear(x.float(), self.weight.float())
+        logits = _RouterLogits.apply(x, self.weight)
         scores = torch.sigmoid(logits)
         with torch.no_grad():
             num_experts = scores.shape[-1]
