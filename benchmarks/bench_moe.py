@@ -5,7 +5,10 @@ Expert-compute FLOPs (routed experts only; gate, up and down projections are 3 m
     forward          2 * N * k * 3 * D * I
     forward+backward 6 * N * k * 3 * D * I
 TFLOP/s below are these FLOPs over the measured time (so router, permutation, shared expert and balancing
-statistics count as overhead). Before timing, every implementation's output is compared with a float64 loop
+statistics count as overhead); the JSON also gives the rate with the shared expert's FLOPs counted
+(`2 * N * (k + shared) * 3 * D * I` forward). The router first takes `--balance-steps` quantile-balancing updates
+on the benchmark batch (the state a QB-trained layer runs in; MaxVio before and after is printed) and
+transformers' block gets the same selection bias, so all implementations route alike. Before timing, every implementation's output is compared with a float64 loop
 reference that uses the same weights and routing (relative Frobenius error).
 
     python benchmarks/bench_moe.py --out bench_moe.json          # GPU, 16K tokens, d 2048, 128 experts top-8, I 768
@@ -33,6 +36,7 @@ def parse_args():
     p.add_argument("--inter", type=int, default=768)
     p.add_argument("--shared", type=int, default=1, help="shared experts (width inter * shared)")
     p.add_argument("--gemm", type=int, default=8192, help="size of the dense reference GEMM")
+    p.add_argument("--balance-steps", type=int, default=8, help="QB updates of the router before timing")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", type=str, default=None, help="write the results as JSON here")
@@ -132,6 +136,12 @@ def build_blocks(args, device, dtype):
     return [m.to(device=device, dtype=dtype).train() for m in (ours, ours_swiglu, theirs)]
 
 
+def _max_vio(block, x, num_experts) -> float:
+    with torch.no_grad():
+        loads = torch.bincount(block.router(x.view(-1, x.shape[-1]))[2].reshape(-1), minlength=num_experts)
+    return ((loads.max() - loads.double().mean()) / loads.double().mean()).item()
+
+
 def main():
     args = parse_args()
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
@@ -141,6 +151,7 @@ def main():
     N, D, E, k, I = args.tokens, args.hidden, args.experts, args.topk, args.inter
     flops_fwd = 2 * N * k * 3 * D * I
     flops_fwdbwd = 6 * N * k * 3 * D * I
+    with_shared = (k + args.shared) / k  # the shared expert's FLOPs counted too
 
     ours, ours_swiglu, theirs = build_blocks(args, device, dtype)
     x = torch.randn(1, N, D, device=device, dtype=dtype)
@@ -148,6 +159,17 @@ def main():
     shared = None
     if args.shared:
         shared = tuple(getattr(ours.shared_experts, n).weight for n in ("gate_proj", "up_proj", "down_proj"))
+
+    # ---- quantile balancing on this batch, then the same selection bias for every implementation
+    max_vio = {"before": _max_vio(ours, x, E)}
+    for _ in range(args.balance_steps):
+        ours(x)
+        ours.apply_balancing()
+    max_vio["after"] = _max_vio(ours, x, E)
+    ours_swiglu.router.bias.copy_(ours.router.bias)
+    theirs.gate.e_score_correction_bias = ours.router.bias.detach().clone()  # fp32, as ours
+    print(f"MaxVio of the routing: {max_vio['before']:.3f} before, {max_vio['after']:.3f} after "
+          f"{args.balance_steps} QB updates", flush=True)
 
     # ---- correctness vs float64 before timing
     with torch.no_grad():
@@ -170,7 +192,9 @@ def main():
     weights = w64.float().to(device)
 
     def fwd_bwd(fn):
-        def run():
+        def run():  # one training step's work: fresh parameter gradients (no accumulation into old ones)
+            for m in (ours, ours_swiglu, theirs):
+                m.zero_grad(set_to_none=True)
             xx = x.detach().requires_grad_()
             fn(xx).backward(dy)
         return run
@@ -188,8 +212,10 @@ def main():
         fwdbwd_ms = timer(fwd_bwd(fn), args.warmup, args.iters)
         for m in (ours, ours_swiglu, theirs):
             m.zero_grad(set_to_none=True)
+        shared = with_shared if "alone" not in name else 1.0
         results.append({"name": name, "rel_err_vs_fp64": errors[name], "fwd_ms": fwd_ms, "fwdbwd_ms": fwdbwd_ms,
-                        "fwd_tflops": flops_fwd / fwd_ms / 1e9, "fwdbwd_tflops": flops_fwdbwd / fwdbwd_ms / 1e9})
+                        "fwd_tflops": flops_fwd / fwd_ms / 1e9, "fwdbwd_tflops": flops_fwdbwd / fwdbwd_ms / 1e9,
+                        "fwdbwd_tflops_incl_shared": shared * flops_fwdbwd / fwdbwd_ms / 1e9})
     ours.apply_balancing()
     ours(x)[0].sum().backward()  # one more training window, then time the once-per-step update alone
     apply_ms = timer(ours.apply_balancing, 0, 1)
@@ -206,12 +232,15 @@ def main():
         "block_fwdbwd_fraction_of_dense": by_name["kdamoe block, situ_glu"]["fwdbwd_tflops"] / dense_tflops,
         "experts_fwdbwd_fraction_of_dense": by_name["(a) grouped experts alone, situ_glu"]["fwdbwd_tflops"]
         / dense_tflops,
+        "block_fwdbwd_fraction_of_dense_incl_shared": by_name["kdamoe block, situ_glu"]["fwdbwd_tflops_incl_shared"]
+        / dense_tflops,
     }
     report = {
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         "torch": torch.__version__, "dtype": str(dtype),
         "shape": {"tokens": N, "hidden": D, "experts": E, "top_k": k, "expert_width": I, "shared": args.shared},
         "flops_formula": {"fwd": "2*N*k*3*D*I", "fwdbwd": "6*N*k*3*D*I"},
+        "max_vio": max_vio, "balance_steps": args.balance_steps,
         "results": results,
         "apply_balancing_ms": apply_ms,
         "dense_gemm": {"size": args.gemm, "ms": gemm_ms, "tflops": dense_tflops},

@@ -18,7 +18,7 @@ from triton.testing import do_bench
 import bench_kda
 
 
-def kernel_table(fn, label, rows=14):
+def kernel_table(fn, label, rows=20):
     """Run ``fn`` twice (warm), then once under the profiler; print the kernels by total CUDA time."""
     fn()
     fn()
@@ -63,8 +63,8 @@ def kda(res):
 
 
 def moe(res):
-    from kdamoe.model.moe import _GROUPED_MM, KDAMoEExperts
     from kdamoe import KDAMoEConfig
+    from kdamoe.model.moe import _GROUPED_MM, KDAMoEExperts, KDAMoESparseMoeBlock
     N, D, E, k, I = 16384, 2048, 128, 8, 768
     cfg = KDAMoEConfig(hidden_size=D, num_experts=E, num_experts_per_tok=k, moe_intermediate_size=I,
                        num_hidden_layers=1, mlp_layer_types=["dense"])
@@ -96,12 +96,43 @@ def moe(res):
         y = _GROUPED_MM(a * b, dn.transpose(-2, -1), offs=offs)
         y.backward(dys)
 
+    block_cfg = KDAMoEConfig(hidden_size=D, num_experts=E, num_experts_per_tok=k, moe_intermediate_size=I,
+                             num_hidden_layers=1, mlp_layer_types=["dense"], num_shared_experts=1,
+                             router_balancing="quantile")
+    block = KDAMoESparseMoeBlock(block_cfg).cuda().bfloat16().train()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.02)
+    xb = x.view(1, N, D)
+
+    def block_fb():
+        block.zero_grad(set_to_none=True)
+        xx = xb.detach().requires_grad_()
+        block(xx)[0].backward(dy.view(1, N, D))
+
+    def max_vio():
+        with torch.no_grad():
+            loads = torch.bincount(block.router(x)[2].reshape(-1), minlength=E).double()
+        return ((loads.max() - loads.mean()) / loads.mean()).item()
+
     flops = 6 * N * k * 3 * D * I
-    for key, f in (("moe experts fwd+bwd", experts_fb), ("moe bare grouped_mm fwd+bwd", bare_fb)):
+
+    def table(key, f):
         res[key] = kernel_table(f, key)
         ms = do_bench(f, warmup=10, rep=100, return_mode="median")
         res[key].update(do_bench_ms=ms, tflops=flops / ms / 1e9)
         print(f"do_bench median {ms:.3f} ms = {flops / ms / 1e9:.0f} TFLOP/s")
+
+    table("moe experts fwd+bwd (uniform random routing)", experts_fb)
+    table("moe bare grouped_mm fwd+bwd", bare_fb)
+    done = 0
+    for updates in (0, 1, 8):  # the router as initialised, then after quantile-balancing updates on this batch
+        for _ in range(updates - done):
+            block._loads = block._histogram = None  # drop what the timing runs accumulated
+            block(xb)
+            block.apply_balancing()
+        done = updates
+        table(f"moe block fwd+bwd ({updates} QB updates, MaxVio {max_vio():.2f})", block_fb)
 
 
 def registers():
