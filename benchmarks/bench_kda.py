@@ -57,7 +57,7 @@ def load_alt(path):
     """``chunk_kda_triton`` of another version of ``kda_triton.py`` (e.g. ``git show BRANCH:src/kdamoe/model/
     kda_triton.py > /tmp/alt.py``), for an A/B timing of two kernel versions in one run."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("kda_triton_alt", path)
+    spec = importlib.util.spec_from_file_location(f"kda_triton_alt_{abs(hash(path))}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return lambda x, gate: run_ours(x, gate, module.chunk_kda_triton)
@@ -197,7 +197,8 @@ def main():
     ap.add_argument("--impls", default="ours-bounded,ours-softplus,fla-bounded,sdpa", help="comma-separated")
     ap.add_argument("--skip-checks", action="store_true", help="no float64 / GPU checks (timings only)")
     ap.add_argument("--no-million", action="store_true", help="skip the 1M-token forward")
-    ap.add_argument("--alt", default=None, help="another kda_triton.py, timed as alt-bounded / alt-softplus")
+    ap.add_argument("--alt", action="append", default=[], metavar="NAME=PATH",
+                    help="another kda_triton.py, timed as NAME-bounded / NAME-softplus (repeatable)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_kda.json"))
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
@@ -210,10 +211,13 @@ def main():
         pass
     wanted = args.impls.split(",")
     impls = {"ours-bounded": (run_ours, "bounded"), "ours-softplus": (run_ours, "softplus")}
-    if args.alt:
-        run_alt = load_alt(args.alt)
-        impls.update({"alt-bounded": (run_alt, "bounded"), "alt-softplus": (run_alt, "softplus")})
-        wanted += [n for n in ("alt-bounded", "alt-softplus") if n.replace("alt", "ours") in wanted]
+    for alt in args.alt:
+        label, path = alt.split("=", 1)
+        run_alt = load_alt(path)
+        for gate in ("bounded", "softplus"):
+            impls[f"{label}-{gate}"] = (run_alt, gate)
+            if f"ours-{gate}" in wanted:
+                wanted.append(f"{label}-{gate}")
     if fla_chunk_kda is not None:
         impls["fla-bounded"] = (run_fla, "bounded")
     impls = {n: f for n, f in impls.items() if n in wanted}
