@@ -692,10 +692,12 @@ def _launch_cfg(K, V):
     return BK, BVf, min(BVf, 32)  # V split in 32-wide blocks: more programs for the sequential chunk loop
 
 
-def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state, for_backward=False):
+def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state, for_backward=False,
+             keep_prep=False, prep=None):
     """Run the forward kernels on flat ``[TT, H, *]`` tensors; ``gate = (mode, exp(A_log) [H], dt_bias [H*K],
     lower_bound)`` (mode 0: ``g`` is the log-decay; 1 bounded / 2 softplus: ``g`` is the raw gate input).
-    Returns a dict of outputs and intermediates."""
+    ``keep_prep``: also return ``T = (I + A_kk)⁻¹`` (for the autograd forward: its backward then passes
+    ``prep = (A_qk, T)`` back and skips their recomputation). Returns a dict of outputs and intermediates."""
     TT, H, K = q.shape
     V = v.shape[-1]
     cu, coff, cstart, cend, NC = tables
@@ -706,10 +708,10 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     mode, a, dtb, lb = gate
     # allocated in order of use and freed early: a 1M-token forward keeps only what the chunk loop reads
     gam = torch.empty(TT, H, K, **f32)
-    aqk = torch.empty(TT, H, 64, **f32)
-    tinv = torch.empty(TT, H, 64, **f32)
+    aqk, tinv = prep if prep is not None else (torch.empty(TT, H, 64, **f32), torch.empty(TT, H, 64, **f32))
     if NC > 0:
         _gate_cumsum_kernel[(NC, H)](g, a, dtb, gam, cstart, cend, lb, H, K, BK, GATE=mode, num_warps=nw)
+    if NC > 0 and prep is None:
         akk = torch.empty(TT, H, 64, **f32)
         _intra_kernel[(NC, H, 4)](q, k, gam, beta, akk, aqk, cstart, cend, scale, H, K, BK, SAFE=safe, num_warps=nw)
         _solve_kernel[(NC, H)](akk, tinv, cstart, cend, H, num_warps=4)
@@ -725,7 +727,7 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
         _wu_kernel[(NC, H)](q, k, v, beta, gam, tinv, w, u0, qg if for_backward else w, kd, dl, cstart, cend, scale,
                             H, K, V, BK, BVf, STORE_QG=for_backward, num_warps=nw)
     out = dict(gam=gam, aqk=aqk, tinv=tinv, w=w, qg=qg, kd=kd, dl=dl)
-    if not for_backward:
+    if not (for_backward or keep_prep):
         del out["tinv"], tinv
     ht = torch.empty(N, H, K, V, **f32) if (output_final_state and not for_backward) else None
     # Per-chunk states: kept when the backward needs them, or when small enough (then O runs in a parallel kernel
@@ -748,13 +750,13 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     return out
 
 
-def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht):
+def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep=None):
     TT, H, K = q.shape
     V = v.shape[-1]
     cu, coff, cstart, cend, NC = tables
     N = cu.numel() - 1
     BK, BVf, BV = _launch_cfg(K, V)
-    fw = _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, False, for_backward=True)
+    fw = _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, False, for_backward=True, prep=prep)
     f32 = dict(device=q.device, dtype=torch.float32)
     dhs = torch.empty_like(fw["hs"])  # 16-bit with 16-bit inputs, as the states
     dus = torch.empty(TT, H, V, **f32)
@@ -776,7 +778,7 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht):
         nw = 8 if q.is_cuda else 4
         dqg, dkd, dw, dq32, dk32, dgam, dge = (torch.empty(TT, H, K, **f32) for _ in range(7))
         dt, da = torch.empty(TT, H, 64, **f32), torch.empty(TT, H, 64, **f32)
-        dp = fw["aqk"]  # A_qk is not needed any more: its buffer takes dP
+        dp = torch.empty_like(fw["aqk"]) if prep is not None else fw["aqk"]  # a recomputed A_qk's buffer takes dP
         db32 = torch.empty(TT, H, **f32)
         dgc = torch.empty(NC, H, K, **f32)
         _bwd_v_kernel[(NC, H)](v, beta, fw["tinv"], fw["hs"], dhs, fw["us"], dus, do, dv, dqg, dkd, dw, dt, dp, db32,
@@ -794,7 +796,8 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht):
 
 class _ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, scale, h0, output_final_state, cu_seqlens, safe, mode, lb):
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, scale, h0, output_final_state, cu_seqlens, safe, mode, lb,
+                grad):
         B, T, H, K = q.shape
         V = v.shape[-1]
         tables = _chunk_tables(B, T, cu_seqlens, q.device)
@@ -802,14 +805,16 @@ class _ChunkKDAFunction(torch.autograd.Function):
         bflat = beta.contiguous().reshape(B * T, H)
         h0c = None if h0 is None else h0.contiguous()
         fw = _forward(*flat, bflat, _gate_args(mode, A_log, dt_bias, lb, H, K, q.device), scale, h0c, tables, safe,
-                      output_final_state)
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0)
+                      output_final_state, keep_prep=grad)
+        # A_qk and T (fp32, [B*T, H, 64] each) are kept for the backward: it skips the intra and solve kernels
+        prep = (fw["aqk"], fw["tinv"]) if grad else (None, None)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, *prep)
         ctx.tables, ctx.scale, ctx.safe, ctx.mode, ctx.lb = tables, scale, safe, mode, lb
         return fw["o"].reshape(B, T, H, V), fw["ht"]
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, A_log, dt_bias, h0 = ctx.saved_tensors
+        q, k, v, g, beta, A_log, dt_bias, h0, aqk, tinv = ctx.saved_tensors
         B, T, H, K = q.shape
         V = v.shape[-1]
         flat = [x.contiguous().reshape(B * T, H, -1) for x in (q, k, v, g)]
@@ -820,7 +825,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
         h0c = None if h0 is None else h0.float().contiguous()
         gate = _gate_args(ctx.mode, A_log, dt_bias, ctx.lb, H, K, q.device)
         dq, dk, dv, dg, db, dh0, dgate = _backward(*flat, bflat, gate, ctx.scale, h0c, ctx.tables, ctx.safe,
-                                                   do.reshape(B * T, H, V), dht)
+                                                   do.reshape(B * T, H, V), dht, prep=(aqk, tinv))
         dA_log = ddt_bias = None
         if A_log is not None:  # the gate's chain rule ran in the last backward kernel
             dA_log = dgate[0].reshape(A_log.shape).to(A_log.dtype)
@@ -828,7 +833,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
             ddt_bias = dgate[1].reshape(dt_bias.shape).to(dt_bias.dtype)
         dh0 = None if dh0 is None else dh0.to(h0.dtype)
         return (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), dg.reshape(g.shape),
-                db.reshape(beta.shape), dA_log, ddt_bias, None, dh0, None, None, None, None, None)
+                db.reshape(beta.shape), dA_log, ddt_bias, None, dh0, None, None, None, None, None, None)
 
 
 def _gate_args(mode, A_log, dt_bias, lb, H, K, device):
@@ -917,8 +922,10 @@ def chunk_kda_triton(q, k, v, g, beta, scale=None, initial_state=None, output_fi
         lb = -5.0 if lower_bound is None else float(lower_bound)
     else:
         A_log = dt_bias = None
+    grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, k, v, g, beta, A_log, dt_bias, initial_state))
     return _ChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
-                                   cu_seqlens, safe, mode, lb)
+                                   cu_seqlens, safe, mode, lb, grad)
 
 
 def recurrent_kda_triton(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
