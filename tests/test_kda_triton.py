@@ -115,6 +115,21 @@ def test_backward_matches_oracle(gate):
 
 
 @kernel_test
+def test_second_backward_through_the_kept_intermediates_is_identical():
+    """The forward keeps A_qk and T for the backward: a second backward (retain_graph) must not see them changed,
+    and a forward under no_grad keeps nothing that a backward would need (it has none)."""
+    xs = [x.clone().requires_grad_() for x in make_inputs(1, 100, 2, 16, 32, "bounded")]
+    o, _ = kda_triton.chunk_kda_triton(*xs)
+    do = torch.randn_like(o)
+    first = torch.autograd.grad(o, xs, do, retain_graph=True)
+    second = torch.autograd.grad(o, xs, do)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        assert kda_triton.chunk_kda_triton(*xs)[0].grad_fn is None
+
+
+@kernel_test
 @pytest.mark.parametrize("gate", ["bounded", "softplus"])
 def test_varlen_forward_backward(gate):
     lengths = [3, 0, 64, 67]  # an empty document, a full chunk, a partial chunk
