@@ -238,8 +238,16 @@ def test_fused_gate_backward_with_optional_parameters(gate, with_A_log):
         o, _ = fn(q.to(dtype), k.to(dtype), v.to(dtype), leaves[0], beta.to(dtype), **kw, **{name: leaves[1]}, **extra)
         o.sum().backward()
         grads.append([x.grad for x in leaves])
-    for got, want in zip(*grads):
-        assert rel(got, want) < GRAD_TOL
+    (dg_raw, dparam), (dg_raw_ref, dparam_ref) = grads
+    assert rel(dg_raw, dg_raw_ref) < GRAD_TOL
+    if with_A_log:
+        assert rel(dparam, dparam_ref) < GRAD_TOL
+    else:
+        # dt_bias enters as x = g_raw + dt_bias, so its gradient is the sum of g_raw's over the tokens: a sum with
+        # cancellation, whose error scale is the sum of the terms' magnitudes (tf32 dots on the GPU)
+        torch.testing.assert_close(dparam, dg_raw.sum((0, 1)), rtol=0, atol=1e-5 * dg_raw.abs().sum().item())
+        scale = dg_raw_ref.abs().sum((0, 1))
+        assert ((dparam - dparam_ref).norm() / scale.norm()).item() < GRAD_TOL
 
 
 @kernel_test
