@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# One GPU session for everything, run through the `device` tool from the repo root. The KDA part (KDA=1, ~8 min,
-# mostly fla-core's autotuning) and the rest (~5 min) do not fit one 10-minute call together: run
-# `KDA=1 REST=0 bash benchmarks/gpu_suite.sh`, then `bash benchmarks/gpu_suite.sh`.
-#   KDA=1: the CUDA KDA kernel tests, benchmarks/bench_kda.py (vs fla-core and SDPA, 1M-token forward) and
-#   benchmarks/profile_ops.py (kernel tables);
+# One GPU session for everything, run through the `device` tool from the repo root, in 10-minute calls:
+#   `KDA=1 REST=0 bash benchmarks/gpu_suite.sh`: the CUDA KDA kernel tests, benchmarks/bench_kda.py for ours
+#   (both gates) and SDPA at every size plus the 1M-token forward (~4 min);
+#   `FLA=1 REST=0 FLA_SIZES=4x8192 bash benchmarks/gpu_suite.sh`: fla-core's times (its backward autotuning takes
+#   minutes per size: one or two sizes per call) and the 1M-token forward of both;
+#   `PROFILE=1 REST=0 ...`: benchmarks/profile_ops.py (kernel tables, ours vs fla-core; autotunes fla again);
+#   `bash benchmarks/gpu_suite.sh` (REST, ~5 min):
 #   CUDA-only MoE tests, benchmarks/bench_moe.py, a short `small`-preset training run for tokens/s and MFU,
 #   and a torch.profiler table of one `small` training step (benchmarks/profile_step.py).
 # Carries: .whl (datasets, dill, multiprocess, fla-core wheels) and .gpu/tok32k (a BPE trained here, so no device
@@ -21,9 +23,17 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 if [ "${KDA:-0}" = 1 ]; then
   echo "== CUDA KDA kernel tests"
   python3 -m pytest -q tests/test_kda_triton.py 2>&1 | tail -5
-  echo "== bench_kda"
-  python3 benchmarks/bench_kda.py --out "$OUT/bench_kda.json" 2>&1 | tee "$OUT/bench_kda.log" | tail -20
-  echo "== per-kernel tables (ours vs fla-core, MoE experts vs bare grouped_mm)"
+  echo "== bench_kda (ours, SDPA)"
+  python3 benchmarks/bench_kda.py --impls ours-bounded,ours-softplus,sdpa --out "$OUT/bench_kda.json" 2>&1 \
+    | tee "$OUT/bench_kda.log" | tail -20
+fi
+if [ "${FLA:-0}" = 1 ]; then
+  echo "== bench_kda (fla-core, ours for the ratio)"
+  python3 benchmarks/bench_kda.py --skip-checks --impls ours-bounded,fla-bounded --sizes "${FLA_SIZES:-4x8192}" \
+    --out "$OUT/bench_kda_fla.json" 2>&1 | tee "$OUT/bench_kda_fla.log" | tail -12
+fi
+if [ "${PROFILE:-0}" = 1 ]; then
+  echo "== per-kernel tables (ours vs fla-core, MoE experts and block)"
   (cd benchmarks && python3 profile_ops.py --out "$OUT/profile_ops.json" 2>&1 | grep -v -i warn > "$OUT/profile_ops.log")
 fi
 
