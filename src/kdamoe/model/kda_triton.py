@@ -245,6 +245,22 @@ def _wu_kernel(q_ptr, k_ptr, v_ptr, b_ptr, gam_ptr, tinv_ptr, w_ptr, u_ptr, qg_p
 
 
 @triton.jit
+def _state_block(ptr, n, h, H, ck, cv, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                 LOAD: tl.constexpr):
+    """The ``[BK, BV]`` block (rows ck, columns cv) of sequence n, head h in a ``[N, H, K, V]`` state tensor:
+    offsets inside one ``[K, V]`` state, mask, the (sequence, head) base offset, and its fp32 value from ``ptr``
+    (zeros without LOAD)."""
+    offs_s = ck[:, None] * V + cv[None, :]
+    ms = (ck < K)[:, None] & (cv < V)[None, :]
+    state_off = (n * H + h).to(tl.int64) * (K * V)
+    if LOAD:
+        S = tl.load(ptr + state_off + offs_s, mask=ms, other=0.0).to(tl.float32)
+    else:
+        S = tl.zeros((BK, BV), dtype=tl.float32)
+    return offs_s, ms, state_off, S
+
+
+@triton.jit
 def _fwd_state_kernel(q_ptr, gam_ptr, aqk_ptr, o_ptr, kd_ptr, dl_ptr, w_ptr, u_ptr, h0_ptr, ht_ptr, hs_ptr, cu_ptr,
                       coff_ptr, scale, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_H: tl.constexpr, WRITE_O: tl.constexpr):
@@ -263,15 +279,9 @@ def _fwd_state_kernel(q_ptr, gam_ptr, aqk_ptr, o_ptr, kd_ptr, dl_ptr, w_ptr, u_p
     mk = ck < K
     cv = iv * BV + tl.arange(0, BV)
     mv = cv < V
-    offs_s = ck[:, None] * V + cv[None, :]
-    ms = mk[:, None] & mv[None, :]
     offk = r[:, None] * (H * K) + ck[None, :]
     offv = r[:, None] * (H * V) + cv[None, :]
-    state_off = (n * H + h).to(tl.int64) * (K * V)
-    if HAS_H0:
-        S = tl.load(h0_ptr + state_off + offs_s, mask=ms, other=0.0).to(tl.float32)
-    else:
-        S = tl.zeros((BK, BV), dtype=tl.float32)
+    offs_s, ms, state_off, S = _state_block(h0_ptr, n, h, H, ck, cv, K, V, BK, BV, HAS_H0)
     for i in range(0, nt):
         t0 = bos + i * 64
         rv = r < eos - t0
@@ -343,13 +353,7 @@ def _bwd_state_kernel(qg_ptr, kd_ptr, dl_ptr, w_ptr, aqk_ptr, do_ptr, dht_ptr, d
     mk = ck < K
     cv = iv * BV + tl.arange(0, BV)
     mv = cv < V
-    offs_s = ck[:, None] * V + cv[None, :]
-    ms = mk[:, None] & mv[None, :]
-    state_off = (n * H + h).to(tl.int64) * (K * V)
-    if HAS_DHT:
-        dS = tl.load(dht_ptr + state_off + offs_s, mask=ms, other=0.0).to(tl.float32)
-    else:
-        dS = tl.zeros((BK, BV), dtype=tl.float32)
+    offs_s, ms, state_off, dS = _state_block(dht_ptr, n, h, H, ck, cv, K, V, BK, BV, HAS_DHT)
     for j in range(0, nt):
         i = nt - 1 - j
         t0 = bos + i * 64
@@ -640,13 +644,7 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, h0_ptr, ht_ptr, 
     mk = ck < K
     cv = iv * BV + tl.arange(0, BV)
     mv = cv < V
-    offs_s = ck[:, None] * V + cv[None, :]
-    ms = mk[:, None] & mv[None, :]
-    state_off = (n * H + h).to(tl.int64) * (K * V)
-    if HAS_H0:
-        S = tl.load(h0_ptr + state_off + offs_s, mask=ms, other=0.0).to(tl.float32)
-    else:
-        S = tl.zeros((BK, BV), dtype=tl.float32)
+    offs_s, ms, state_off, S = _state_block(h0_ptr, n, h, H, ck, cv, K, V, BK, BV, HAS_H0)
     for t in range(bos, eos):
         offk = t * (H * K) + h * K + ck
         offv = t * (H * V) + h * V + cv
