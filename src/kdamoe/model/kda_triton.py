@@ -341,6 +341,9 @@ def _fwd_o_kernel(q_ptr, gam_ptr, aqk_ptr, hs_ptr, us_ptr, o_ptr, cstart_ptr, ce
 def _bwd_state_kernel(qg_ptr, kd_ptr, dl_ptr, w_ptr, aqk_ptr, do_ptr, dht_ptr, dh0_ptr, dhs_ptr, dus_ptr,
                       cu_ptr, coff_ptr, H, K: tl.constexpr, V: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr):
+    """The reverse chunk loop of one sequence, head and V block: ``dU = Pᵀ dO + Kd dS`` (stored for the V-sums),
+    ``dS ← e^{Γ_C} dS + Qgᵀ dO − Wᵀ dU``; stores the dS entering every chunk from its end (16-bit with 16-bit
+    inputs) and, with STORE_DH0, the initial state's gradient."""
     iv = tl.program_id(0)
     n = tl.program_id(1)
     h = tl.program_id(2)
