@@ -261,9 +261,20 @@ def _state_block(ptr, n, h, H, ck, cv, K: tl.constexpr, V: tl.constexpr, BK: tl.
 
 
 @triton.jit
+def _lp_dot(a, b, LP: tl.constexpr):
+    """``a @ b`` for ``a`` as stored (W, K e^{Γ_C−Γ}, Q e^Γ: 16-bit with 16-bit inputs): with LP on tensor cores
+    in a's dtype, ``b`` rounded to it; else both widened to fp32 (tf32 on a GPU; the CPU interpreter, whose bf16
+    dot multiplies raw bits in triton 3.9)."""
+    if LP:
+        return tl.dot(a, b.to(a.dtype))
+    return tl.dot(a.to(tl.float32), b.to(tl.float32))
+
+
+@triton.jit
 def _fwd_state_kernel(q_ptr, gam_ptr, aqk_ptr, o_ptr, kd_ptr, dl_ptr, w_ptr, u_ptr, h0_ptr, ht_ptr, hs_ptr, cu_ptr,
                       coff_ptr, scale, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_H: tl.constexpr, WRITE_O: tl.constexpr):
+                      HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_H: tl.constexpr, WRITE_O: tl.constexpr,
+                      LP: tl.constexpr):
     """The sequential chunk loop of one sequence, head and V block: ``U = U0 − W S`` (overwrites U0 in place),
     ``S ← e^{Γ_C} S + (K e^{Γ_C − Γ})ᵀ U``; with WRITE_O also ``O = (scale Q e^Γ) S + P U`` (the forward: no
     per-chunk states kept), with STORE_H the state entering every chunk (the backward)."""
@@ -291,8 +302,8 @@ def _fwd_state_kernel(q_ptr, gam_ptr, aqk_ptr, o_ptr, kd_ptr, dl_ptr, w_ptr, u_p
         bv = t0 * (H * V) + h * V
         if STORE_H:
             tl.store(hs_ptr + ((coff + i) * H + h) * (K * V) + offs_s, S.to(hs_ptr.dtype.element_ty), mask=ms)
-        w = tl.load(w_ptr + bk + offk, mask=m2, other=0.0).to(tl.float32)
-        u = tl.load(u_ptr + bv + offv, mask=mv2, other=0.0) - tl.dot(w, S)
+        w = tl.load(w_ptr + bk + offk, mask=m2, other=0.0)
+        u = tl.load(u_ptr + bv + offv, mask=mv2, other=0.0) - _lp_dot(w, S, LP)
         tl.store(u_ptr + bv + offv, u, mask=mv2)
         if WRITE_O:
             qg = tl.load(q_ptr + bk + offk, mask=m2, other=0.0).to(tl.float32)
@@ -301,9 +312,9 @@ def _fwd_state_kernel(q_ptr, gam_ptr, aqk_ptr, o_ptr, kd_ptr, dl_ptr, w_ptr, u_p
                           other=0.0)
             o = tl.dot(qg, S) + tl.dot(aqk, u)
             tl.store(o_ptr + bv + offv, o.to(o_ptr.dtype.element_ty), mask=mv2)
-        kd = tl.load(kd_ptr + bk + offk, mask=m2, other=0.0).to(tl.float32)
+        kd = tl.load(kd_ptr + bk + offk, mask=m2, other=0.0)
         dl = tl.load(dl_ptr + ((coff + i) * H + h) * K + ck, mask=mk, other=0.0)
-        S = S * dl[:, None] + tl.dot(tl.trans(kd), u)
+        S = S * dl[:, None] + _lp_dot(tl.trans(kd), u, LP)
     if STORE_HT:
         tl.store(ht_ptr + state_off + offs_s, S, mask=ms)
 
@@ -338,12 +349,13 @@ def _fwd_o_kernel(q_ptr, gam_ptr, aqk_ptr, hs_ptr, us_ptr, o_ptr, cstart_ptr, ce
 
 # --------------------------------------------------------------------------------------------------- backward
 @triton.jit
-def _bwd_state_kernel(qg_ptr, kd_ptr, dl_ptr, w_ptr, aqk_ptr, do_ptr, dht_ptr, dh0_ptr, dhs_ptr, dus_ptr,
+def _bwd_state_kernel(qg_ptr, kd_ptr, dl_ptr, w_ptr, do_ptr, dht_ptr, dh0_ptr, dhs_ptr, dus_ptr,
                       cu_ptr, coff_ptr, H, K: tl.constexpr, V: tl.constexpr,
-                      BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr):
-    """The reverse chunk loop of one sequence, head and V block: ``dU = Pᵀ dO + Kd dS`` (stored for the V-sums),
-    ``dS ← e^{Γ_C} dS + Qgᵀ dO − Wᵀ dU``; stores the dS entering every chunk from its end (16-bit with 16-bit
-    inputs) and, with STORE_DH0, the initial state's gradient."""
+                      BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+                      LP: tl.constexpr):
+    """The reverse chunk loop of one sequence, head and V block: ``dU = dU0 + Kd dS`` (dU0 = Pᵀ dO from
+    ``_bwd_du0_kernel``, overwritten in place), ``dS ← e^{Γ_C} dS + Qgᵀ dO − Wᵀ dU``; stores the dS entering
+    every chunk from its end (16-bit with 16-bit inputs) and, with STORE_DH0, the initial state's gradient."""
     iv = tl.program_id(0)
     n = tl.program_id(1)
     h = tl.program_id(2)
@@ -366,18 +378,34 @@ def _bwd_state_kernel(qg_ptr, kd_ptr, dl_ptr, w_ptr, aqk_ptr, do_ptr, dht_ptr, d
         offk = t0 * (H * K) + h * K + r[:, None] * (H * K) + ck[None, :]
         offv = t0 * (H * V) + h * V + r[:, None] * (H * V) + cv[None, :]
         tl.store(dhs_ptr + ((coff + i) * H + h) * (K * V) + offs_s, dS.to(dhs_ptr.dtype.element_ty), mask=ms)
-        do = tl.load(do_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
-        aqk = tl.load(aqk_ptr + t0 * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None],
-                      other=0.0)
-        kd = tl.load(kd_ptr + offk, mask=m2, other=0.0).to(tl.float32)
-        du = tl.dot(tl.trans(aqk), do) + tl.dot(kd, dS)
+        do = tl.load(do_ptr + offv, mask=mv2, other=0.0)
+        kd = tl.load(kd_ptr + offk, mask=m2, other=0.0)
+        du = tl.load(dus_ptr + offv, mask=mv2, other=0.0) + _lp_dot(kd, dS, LP)
         tl.store(dus_ptr + offv, du, mask=mv2)
-        qg = tl.load(qg_ptr + offk, mask=m2, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + offk, mask=m2, other=0.0).to(tl.float32)
+        qg = tl.load(qg_ptr + offk, mask=m2, other=0.0)
+        w = tl.load(w_ptr + offk, mask=m2, other=0.0)
         dl = tl.load(dl_ptr + ((coff + i) * H + h) * K + ck, mask=mk, other=0.0)
-        dS = dS * dl[:, None] + tl.dot(tl.trans(qg), do) - tl.dot(tl.trans(w), du)
+        dS = dS * dl[:, None] + _lp_dot(tl.trans(qg), do, LP) - _lp_dot(tl.trans(w), du, LP)
     if STORE_DH0:
         tl.store(dh0_ptr + state_off + offs_s, dS, mask=ms)
+
+
+@triton.jit
+def _bwd_du0_kernel(aqk_ptr, do_ptr, dus_ptr, cstart_ptr, cend_ptr, H, V: tl.constexpr, BV: tl.constexpr):
+    """``dU0 = Pᵀ dO`` of one chunk and V block: the part of dU that does not depend on the reverse recurrence,
+    out of the sequential loop."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    cv = tl.program_id(2) * BV + tl.arange(0, BV)
+    s = tl.load(cstart_ptr + c).to(tl.int64)
+    e = tl.load(cend_ptr + c).to(tl.int64)
+    r = tl.arange(0, 64)
+    rv = r < e - s
+    mv2 = rv[:, None] & (cv < V)[None, :]
+    aqk = tl.load(aqk_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None], other=0.0)
+    offv = s * (H * V) + h * V + r[:, None] * (H * V) + cv[None, :]
+    do = tl.load(do_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
+    tl.store(dus_ptr + offv, tl.dot(tl.trans(aqk), do), mask=mv2)
 
 
 @triton.jit
@@ -740,7 +768,7 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     _fwd_state_kernel[(triton.cdiv(V, BV), N, H)](
         q, gam, aqk, o if o is not None else dummy, kd, dl, w, u0, h0 if h0 is not None else dummy,
         ht if ht is not None else dummy, hs if hs is not None else dummy, cu, coff, scale, H, K, V, BK, BV,
-        HAS_H0=h0 is not None, STORE_HT=ht is not None, STORE_H=keep_states, WRITE_O=not keep_states,
+        HAS_H0=h0 is not None, STORE_HT=ht is not None, STORE_H=keep_states, WRITE_O=not keep_states, LP=q.is_cuda,
         num_warps=nw, num_stages=2 if BK <= 128 else 1)  # prefetch (fits shared memory with 16-bit W and Kd)
     if o is not None and keep_states and NC > 0:
         BVo = min(BVf, 64)
@@ -763,10 +791,14 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep=Non
     dus = torch.empty(TT, H, V, **f32)
     dh0 = torch.empty(N, H, K, V, **f32) if h0 is not None else None
     do = do.contiguous()
+    if NC > 0:
+        BVo = min(BVf, 64)
+        _bwd_du0_kernel[(NC, H, triton.cdiv(V, BVo))](fw["aqk"], do, dus, cstart, cend, H, V, BVo,
+                                                      num_warps=8 if q.is_cuda else 4)
     _bwd_state_kernel[(triton.cdiv(V, BV), N, H)](
-        fw["qg"], fw["kd"], fw["dl"], fw["w"], fw["aqk"], do, dht if dht is not None else dhs,
+        fw["qg"], fw["kd"], fw["dl"], fw["w"], do, dht if dht is not None else dhs,
         dh0 if dh0 is not None else dhs, dhs, dus, cu, coff, H, K, V, BK, BV, HAS_DHT=dht is not None,
-        STORE_DH0=dh0 is not None, num_warps=8 if q.is_cuda else 4, num_stages=1)
+        STORE_DH0=dh0 is not None, LP=False, num_warps=8 if q.is_cuda else 4, num_stages=1)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty_like(g)
     mode, a, dtb, lb = gate
