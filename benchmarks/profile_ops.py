@@ -5,7 +5,7 @@ KDA (bf16, H=16, head dim 128, fused bounded gate): ours vs flash-linear-attenti
 128 experts top-8, width 768): our grouped experts alone and the bare ``grouped_mm`` GEMMs on pre-sorted
 tokens (no permutation, no activation) as the floor. Also prints registers and spills of our Triton kernels.
 
-    PYTHONPATH=src python benchmarks/profile_ops.py [--what kda,moe]
+    PYTHONPATH=src python benchmarks/profile_ops.py [--what kda,moe] [--kda-impls ours,fla,NAME --alt NAME=PATH]
 """
 
 import argparse
@@ -37,11 +37,15 @@ def kernel_table(fn, label, rows=20):
     return dict(total_ms=total / 1e3, kernels=out)
 
 
-def kda(res):
+def kda(res, names, alts, sizes):
     impls = {"ours": bench_kda.run_ours}
     if bench_kda.fla_chunk_kda is not None:
         impls["fla"] = bench_kda.run_fla
-    for B, T in ((4, 8192), (1, 32768)):
+    for alt in alts:
+        label, path = alt.split("=", 1)
+        impls[label] = bench_kda.load_alt(path)
+    impls = {n: f for n, f in impls.items() if n in names}
+    for B, T in (tuple(map(int, s.split("x"))) for s in sizes.split(",")):
         x = bench_kda.make(B, T)
         for n in ("q", "k", "v", "g", "beta"):
             x[n].requires_grad_()
@@ -154,11 +158,15 @@ def registers():
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--what", default="kda,moe")
+    ap.add_argument("--kda-impls", default="ours,fla", help="comma-separated: ours, fla, and --alt labels")
+    ap.add_argument("--alt", action="append", default=[], metavar="NAME=PATH",
+                    help="another version of kda_triton.py to profile (see bench_kda.py --alt)")
+    ap.add_argument("--sizes", default="4x8192,1x32768", help="KDA shapes, comma-separated BxT")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile_ops.json"))
     args = ap.parse_args()
     res = {}
     if "kda" in args.what:
-        kda(res)
+        kda(res, args.kda_impls.split(","), args.alt, args.sizes)
         registers()
     if "moe" in args.what:
         moe(res)
