@@ -34,6 +34,23 @@ CHUNK = 64
 GATES = ("bounded", "softplus")
 L2NORM_EPS = 1e-6
 STATES_LIMIT_BYTES = 4 << 30  # forward without autograd: keep per-chunk states (faster) up to this size
+# Launch settings per kernel on CUDA (the CPU interpreter ignores them), as timed on an H200 by
+# benchmarks/tune_kda_kernels.py; the chunk loops take 2 pipeline stages where shared memory allows (BK <= 128).
+LAUNCH = {
+    "gate_cumsum": dict(num_warps=8),
+    "intra": dict(num_warps=8),
+    "solve": dict(num_warps=4),
+    "wu": dict(num_warps=8),
+    "fwd_state": dict(num_warps=8),
+    "fwd_o": dict(num_warps=8),
+    "bwd_du0": dict(num_warps=8),
+    "bwd_state": dict(num_warps=8, num_stages=1),
+    "bwd_v": dict(num_warps=8, num_stages=1),
+    "bwd_dense": dict(num_warps=8, num_stages=1),
+    "bwd_pair": dict(num_warps=8),
+    "bwd_dg": dict(num_warps=8),
+    "recurrent": dict(num_warps=4),
+}
 
 
 # --------------------------------------------------------------------------------------------------- forward
@@ -74,9 +91,9 @@ def _intra_kernel(q_ptr, k_ptr, gam_ptr, b_ptr, akk_ptr, aqk_ptr, cstart_ptr, ce
     """Rows ``16 I .. 16 I + 15`` of ``A_kk`` (times β, strictly lower) and ``A_qk`` (times scale, lower) of one
     chunk, anchored at the block's first row ``a``: ``(x_i e^{Γ_i − Γ_a}) · (k_j e^{Γ_a − Γ_j})``, one dense dot
     over every causal column (SAFE: the diagonal block pair by pair instead)."""
-    c = tl.program_id(0)
+    c = tl.program_id(0) // 4  # the 4 row blocks of a chunk run side by side: its q, k, Γ are read from L2
     h = tl.program_id(1)
-    a = tl.program_id(2) * 16
+    a = tl.program_id(0) % 4 * 16
     s = tl.load(cstart_ptr + c).to(tl.int64)
     e = tl.load(cend_ptr + c).to(tl.int64)
     ri = a + tl.arange(0, 16)
@@ -323,9 +340,9 @@ def _fwd_state_kernel(q_ptr, gam_ptr, aqk_ptr, o_ptr, kd_ptr, dl_ptr, w_ptr, u_p
 def _fwd_o_kernel(q_ptr, gam_ptr, aqk_ptr, hs_ptr, us_ptr, o_ptr, cstart_ptr, cend_ptr, scale, H, K: tl.constexpr,
                   V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """``O = (scale Q e^Γ) S0 + P U`` of one chunk and V block, from the states stored by the chunk loop."""
-    c = tl.program_id(0)
+    c = tl.program_id(0) // tl.cdiv(V, BV)  # the V blocks of a chunk side by side (shared loads from L2)
     h = tl.program_id(1)
-    cv = tl.program_id(2) * BV + tl.arange(0, BV)
+    cv = tl.program_id(0) % tl.cdiv(V, BV) * BV + tl.arange(0, BV)
     s = tl.load(cstart_ptr + c).to(tl.int64)
     e = tl.load(cend_ptr + c).to(tl.int64)
     r = tl.arange(0, 64)
@@ -394,9 +411,9 @@ def _bwd_state_kernel(qg_ptr, kd_ptr, dl_ptr, w_ptr, do_ptr, dht_ptr, dh0_ptr, d
 def _bwd_du0_kernel(aqk_ptr, do_ptr, dus_ptr, cstart_ptr, cend_ptr, H, V: tl.constexpr, BV: tl.constexpr):
     """``dU0 = Pᵀ dO`` of one chunk and V block: the part of dU that does not depend on the reverse recurrence,
     out of the sequential loop."""
-    c = tl.program_id(0)
+    c = tl.program_id(0) // tl.cdiv(V, BV)  # the V blocks of a chunk side by side (shared loads from L2)
     h = tl.program_id(1)
-    cv = tl.program_id(2) * BV + tl.arange(0, BV)
+    cv = tl.program_id(0) % tl.cdiv(V, BV) * BV + tl.arange(0, BV)
     s = tl.load(cstart_ptr + c).to(tl.int64)
     e = tl.load(cend_ptr + c).to(tl.int64)
     r = tl.arange(0, 64)
@@ -534,9 +551,9 @@ def _bwd_pair_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, dp_ptr, da_ptr, dq32_ptr, dk3
     for ``d`` = dP, dA. Dense: one dot each, anchored at the block's first row ``a`` (no later token can move
     the rounding); SAFE: other blocks anchored at the block's first (row side) or last (column side) row, the
     diagonal block pair by pair. Writes dq, dk, dβ (final) and dΓ (in place, for ``_bwd_dg_kernel``)."""
-    c = tl.program_id(0)
+    c = tl.program_id(0) // 4  # the 4 row blocks of a chunk run side by side: its q, k, Γ are read from L2
     h = tl.program_id(1)
-    a = tl.program_id(2) * 16
+    a = tl.program_id(0) % 4 * 16
     s = tl.load(cstart_ptr + c).to(tl.int64)
     e = tl.load(cend_ptr + c).to(tl.int64)
     n = e - s
@@ -733,17 +750,17 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     N = cu.numel() - 1
     BK, BVf, BV = _launch_cfg(K, V)
     f32 = dict(device=q.device, dtype=torch.float32)
-    nw = 8 if q.is_cuda else 4
     mode, a, dtb, lb = gate
     # allocated in order of use and freed early: a 1M-token forward keeps only what the chunk loop reads
     gam = torch.empty(TT, H, K, **f32)
     aqk, tinv = prep if prep is not None else (torch.empty(TT, H, 64, **f32), torch.empty(TT, H, 64, **f32))
     if NC > 0:
-        _gate_cumsum_kernel[(NC, H)](g, a, dtb, gam, cstart, cend, lb, H, K, BK, GATE=mode, num_warps=nw)
+        _gate_cumsum_kernel[(NC, H)](g, a, dtb, gam, cstart, cend, lb, H, K, BK, GATE=mode, **LAUNCH["gate_cumsum"])
     if NC > 0 and prep is None:
         akk = torch.empty(TT, H, 64, **f32)
-        _intra_kernel[(NC, H, 4)](q, k, gam, beta, akk, aqk, cstart, cend, scale, H, K, BK, SAFE=safe, num_warps=nw)
-        _solve_kernel[(NC, H)](akk, tinv, cstart, cend, H, num_warps=4)
+        _intra_kernel[(NC * 4, H)](q, k, gam, beta, akk, aqk, cstart, cend, scale, H, K, BK, SAFE=safe,
+                                  **LAUNCH["intra"])
+        _solve_kernel[(NC, H)](akk, tinv, cstart, cend, H, **LAUNCH["solve"])
         del akk
     # W, K e^{Γ_C − Γ}, Q e^Γ and the per-chunk states (and their gradients) are stored in the inputs' 16-bit dtype:
     # half the bytes the loops read, 1.2-1.3x faster fwd+bwd (H200). U and P stay fp32: their rounding is what
@@ -754,7 +771,7 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     dl = torch.empty(max(NC, 1), H, K, **f32)
     if NC > 0:
         _wu_kernel[(NC, H)](q, k, v, beta, gam, tinv, w, u0, qg if for_backward else w, kd, dl, cstart, cend, scale,
-                            H, K, V, BK, BVf, STORE_QG=for_backward, num_warps=nw)
+                            H, K, V, BK, BVf, STORE_QG=for_backward, **LAUNCH["wu"])
     out = dict(gam=gam, aqk=aqk, tinv=tinv, w=w, qg=qg, kd=kd, dl=dl)
     if not (for_backward or keep_prep):
         del out["tinv"], tinv
@@ -769,11 +786,11 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
         q, gam, aqk, o if o is not None else dummy, kd, dl, w, u0, h0 if h0 is not None else dummy,
         ht if ht is not None else dummy, hs if hs is not None else dummy, cu, coff, scale, H, K, V, BK, BV,
         HAS_H0=h0 is not None, STORE_HT=ht is not None, STORE_H=keep_states, WRITE_O=not keep_states, LP=q.is_cuda,
-        num_warps=nw, num_stages=2 if BK <= 128 else 1)  # prefetch (fits shared memory with 16-bit W and Kd)
+        num_stages=2 if BK <= 128 else 1, **LAUNCH["fwd_state"])  # prefetch: fits with 16-bit W and Kd
     if o is not None and keep_states and NC > 0:
         BVo = min(BVf, 64)
-        _fwd_o_kernel[(NC, H, triton.cdiv(V, BVo))](q, gam, aqk, hs, u0, o, cstart, cend, scale, H, K, V, BK, BVo,
-                                                   num_warps=nw)
+        _fwd_o_kernel[(NC * triton.cdiv(V, BVo), H)](q, gam, aqk, hs, u0, o, cstart, cend, scale, H, K, V, BK, BVo,
+                                                   **LAUNCH["fwd_o"])
     us = u0  # U0 was overwritten with U
     out.update(o=o, ht=ht, hs=hs, us=us)
     return out
@@ -793,12 +810,12 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep=Non
     do = do.contiguous()
     if NC > 0:
         BVo = min(BVf, 64)
-        _bwd_du0_kernel[(NC, H, triton.cdiv(V, BVo))](fw["aqk"], do, dus, cstart, cend, H, V, BVo,
-                                                      num_warps=8 if q.is_cuda else 4)
+        _bwd_du0_kernel[(NC * triton.cdiv(V, BVo), H)](fw["aqk"], do, dus, cstart, cend, H, V, BVo,
+                                                      **LAUNCH["bwd_du0"])
     _bwd_state_kernel[(triton.cdiv(V, BV), N, H)](
         fw["qg"], fw["kd"], fw["dl"], fw["w"], do, dht if dht is not None else dhs,
         dh0 if dh0 is not None else dhs, dhs, dus, cu, coff, H, K, V, BK, BV, HAS_DHT=dht is not None,
-        STORE_DH0=dh0 is not None, LP=False, num_warps=8 if q.is_cuda else 4, num_stages=1)
+        STORE_DH0=dh0 is not None, LP=False, **LAUNCH["bwd_state"])
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty_like(g)
     mode, a, dtb, lb = gate
@@ -808,21 +825,20 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep=Non
     dv = torch.empty_like(v)
     db = torch.empty_like(beta)
     if NC > 0:
-        nw = 8 if q.is_cuda else 4
         dqg, dkd, dw, dq32, dk32, dgam, dge = (torch.empty(TT, H, K, **f32) for _ in range(7))
         dt, da = torch.empty(TT, H, 64, **f32), torch.empty(TT, H, 64, **f32)
         dp = torch.empty_like(fw["aqk"]) if prep is not None else fw["aqk"]  # a recomputed A_qk's buffer takes dP
         db32 = torch.empty(TT, H, **f32)
         dgc = torch.empty(NC, H, K, **f32)
         _bwd_v_kernel[(NC, H)](v, beta, fw["tinv"], fw["hs"], dhs, fw["us"], dus, do, dv, dqg, dkd, dw, dt, dp, db32,
-                               dgc, cstart, cend, scale, H, K, V, BK, BV, num_warps=nw, num_stages=1)
+                               dgc, cstart, cend, scale, H, K, V, BK, BV, **LAUNCH["bwd_v"])
         _bwd_dense_kernel[(NC, H)](q, k, beta, fw["gam"], fw["tinv"], dqg, dkd, dw, dt, dp, dgc, dq32, dk32, dgam,
-                                   dge, db32, da, cstart, cend, scale, H, K, BK, min(BK, 32), num_warps=nw,
-                                   num_stages=1)
-        _bwd_pair_kernel[(NC, H, 4)](q, k, beta, fw["gam"], dp, da, dq32, dk32, dgam, db32, dq, dk, db, cstart,
-                                     cend, H, K, BK, SAFE=safe, num_warps=nw)
+                                   dge, db32, da, cstart, cend, scale, H, K, BK, min(BK, 32),
+                                   **LAUNCH["bwd_dense"])
+        _bwd_pair_kernel[(NC * 4, H)](q, k, beta, fw["gam"], dp, da, dq32, dk32, dgam, db32, dq, dk, db, cstart,
+                                     cend, H, K, BK, SAFE=safe, **LAUNCH["bwd_pair"])
         _bwd_dg_kernel[(NC, H)](dgam, dge, g, a, dtb, dg, da_part, ddtb_part, cstart, cend, lb, H, K, BK, GATE=mode,
-                                num_warps=nw)
+                                **LAUNCH["bwd_dg"])
     dgate = (da_part.sum(0), ddtb_part.sum(0)) if mode else None
     return dq, dk, dv, dg, db, dh0, dgate
 
@@ -996,5 +1012,5 @@ def recurrent_kda_triton(q, k, v, g, beta, scale=None, initial_state=None, outpu
         BK, _, BV = _launch_cfg(K, V)
         _recurrent_kernel[(triton.cdiv(V, BV), N, H)](
             *flat, bflat, o, h0 if h0 is not None else o, ht if ht is not None else o, cu, scale, H, K, V, BK, BV,
-            HAS_H0=h0 is not None, STORE_HT=ht is not None, num_warps=4)
+            HAS_H0=h0 is not None, STORE_HT=ht is not None, **LAUNCH["recurrent"])
     return o.reshape(B, T, H, V), ht
