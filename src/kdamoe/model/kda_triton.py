@@ -35,20 +35,21 @@ GATES = ("bounded", "softplus")
 L2NORM_EPS = 1e-6
 STATES_LIMIT_BYTES = 4 << 30  # forward without autograd: keep per-chunk states (faster) up to this size
 # Launch settings per kernel on CUDA (the CPU interpreter ignores them), as timed on an H200 by
-# benchmarks/tune_kda_kernels.py; the chunk loops take 2 pipeline stages where shared memory allows (BK <= 128).
+# benchmarks/tune_kda_kernels.py; the forward loop takes 2 pipeline stages where shared memory allows (BK <= 128).
 LAUNCH = {
-    "gate_cumsum": dict(num_warps=8),
-    "intra": dict(num_warps=8),
-    "solve": dict(num_warps=4),
-    "wu": dict(num_warps=8),
-    "fwd_state": dict(num_warps=8),
-    "fwd_o": dict(num_warps=8),
-    "bwd_du0": dict(num_warps=8),
-    "bwd_state": dict(num_warps=8, num_stages=1),
+    "gate_cumsum": dict(num_warps=4),
+    "intra": dict(num_warps=4),
+    "solve": dict(num_warps=2),
+    "wu": dict(num_warps=8, maxnreg=128),
+    "fwd_state": dict(num_warps=4),
+    "fwd_o": dict(num_warps=2),
+    "bwd_du0": dict(num_warps=2),
+    "bwd_state": dict(num_warps=4, num_stages=1),
+    "bwd_state_few": dict(num_warps=8, num_stages=2),  # fewer programs than SMs (one long sequence): prefetch
     "bwd_v": dict(num_warps=8, num_stages=1),
-    "bwd_dense": dict(num_warps=8, num_stages=1),
+    "bwd_dense": dict(num_warps=4, num_stages=1),
     "bwd_pair": dict(num_warps=8),
-    "bwd_dg": dict(num_warps=8),
+    "bwd_dg": dict(num_warps=4),
     "recurrent": dict(num_warps=4),
 }
 
@@ -812,10 +813,12 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep=Non
         BVo = min(BVf, 64)
         _bwd_du0_kernel[(NC * triton.cdiv(V, BVo), H)](fw["aqk"], do, dus, cstart, cend, H, V, BVo,
                                                       **LAUNCH["bwd_du0"])
+    few = q.is_cuda and triton.cdiv(V, BV) * N * H < torch.cuda.get_device_properties(q.device).multi_processor_count
+    launch = dict(LAUNCH["bwd_state_few" if few else "bwd_state"], **({"num_stages": 1} if BK > 128 else {}))
     _bwd_state_kernel[(triton.cdiv(V, BV), N, H)](
         fw["qg"], fw["kd"], fw["dl"], fw["w"], do, dht if dht is not None else dhs,
         dh0 if dh0 is not None else dhs, dhs, dus, cu, coff, H, K, V, BK, BV, HAS_DHT=dht is not None,
-        STORE_DH0=dh0 is not None, LP=False, **LAUNCH["bwd_state"])
+        STORE_DH0=dh0 is not None, LP=False, **launch)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty_like(g)
     mode, a, dtb, lb = gate
