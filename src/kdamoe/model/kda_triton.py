@@ -19,11 +19,12 @@ softplus gate) the diagonal sub-blocks are computed pair by pair with masked exp
 
 Forward kernels: ``_gate_cumsum`` (fused gate, Γ), ``_intra`` (A_kk, A_qk per 16-row block), ``_solve`` (T by
 16 x 16 blocks), ``_wu`` (W, U0 and the loop's operands), ``_fwd_state`` (per sequence, head and V block: the
-sequential chunk loop) and ``_fwd_o`` (O per chunk, in parallel, from the stored states). Backward: the forward
-preparation and loop are recomputed (only the inputs are kept between forward and backward: memory linear in
-T), then ``_bwd_state`` (the reverse loop carrying dS), ``_bwd_v`` (sums over V), ``_bwd_dense`` (dA and the
-dense parts of dq, dk, dΓ), ``_bwd_pair`` (pairwise terms per 16-row block) and ``_bwd_dg`` (suffix sums of dΓ
-and the gate's chain rule). The q/k L2 norm runs in torch before the kernels.
+sequential chunk loop) and ``_fwd_o`` (O per chunk, in parallel, from the stored states). Backward: the gate, W /
+U0 and the chunk loop are recomputed (the autograd forward keeps only the inputs, A_qk and T: memory linear in
+T), then ``_bwd_du0`` (Pᵀ dO), ``_bwd_state`` (the reverse loop carrying dS), ``_bwd_v`` (sums over V),
+``_bwd_dense`` (dA and the dense parts of dq, dk, dΓ), ``_bwd_pair`` (pairwise terms per 16-row block) and
+``_bwd_dg`` (suffix sums of dΓ and the gate's chain rule). Launch settings per kernel: ``LAUNCH``. The q/k L2 norm
+runs in torch before the kernels.
 """
 
 import torch
@@ -338,16 +339,22 @@ def _fwd_state_kernel(q_ptr, gam_ptr, aqk_ptr, o_ptr, kd_ptr, dl_ptr, w_ptr, u_p
 
 
 @triton.jit
+def _chunk_vblock(cstart_ptr, cend_ptr, V: tl.constexpr, BV: tl.constexpr):
+    """A ``(chunks · V/BV, H)`` grid's program: chunk c, head h, V columns cv, first token s, rows r and the valid
+    ones rv. The V blocks of a chunk are adjacent programs, so their shared loads come from L2."""
+    c = tl.program_id(0) // tl.cdiv(V, BV)
+    cv = tl.program_id(0) % tl.cdiv(V, BV) * BV + tl.arange(0, BV)
+    s = tl.load(cstart_ptr + c).to(tl.int64)
+    r = tl.arange(0, 64)
+    rv = r < tl.load(cend_ptr + c).to(tl.int64) - s
+    return c, tl.program_id(1), cv, s, r, rv
+
+
+@triton.jit
 def _fwd_o_kernel(q_ptr, gam_ptr, aqk_ptr, hs_ptr, us_ptr, o_ptr, cstart_ptr, cend_ptr, scale, H, K: tl.constexpr,
                   V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     """``O = (scale Q e^Γ) S0 + P U`` of one chunk and V block, from the states stored by the chunk loop."""
-    c = tl.program_id(0) // tl.cdiv(V, BV)  # the V blocks of a chunk side by side (shared loads from L2)
-    h = tl.program_id(1)
-    cv = tl.program_id(0) % tl.cdiv(V, BV) * BV + tl.arange(0, BV)
-    s = tl.load(cstart_ptr + c).to(tl.int64)
-    e = tl.load(cend_ptr + c).to(tl.int64)
-    r = tl.arange(0, 64)
-    rv = r < e - s
+    c, h, cv, s, r, rv = _chunk_vblock(cstart_ptr, cend_ptr, V, BV)
     ck = tl.arange(0, BK)
     mk = ck < K
     mv = cv < V
@@ -412,13 +419,7 @@ def _bwd_state_kernel(qg_ptr, kd_ptr, dl_ptr, w_ptr, do_ptr, dht_ptr, dh0_ptr, d
 def _bwd_du0_kernel(aqk_ptr, do_ptr, dus_ptr, cstart_ptr, cend_ptr, H, V: tl.constexpr, BV: tl.constexpr):
     """``dU0 = Pᵀ dO`` of one chunk and V block: the part of dU that does not depend on the reverse recurrence,
     out of the sequential loop."""
-    c = tl.program_id(0) // tl.cdiv(V, BV)  # the V blocks of a chunk side by side (shared loads from L2)
-    h = tl.program_id(1)
-    cv = tl.program_id(0) % tl.cdiv(V, BV) * BV + tl.arange(0, BV)
-    s = tl.load(cstart_ptr + c).to(tl.int64)
-    e = tl.load(cend_ptr + c).to(tl.int64)
-    r = tl.arange(0, 64)
-    rv = r < e - s
+    c, h, cv, s, r, rv = _chunk_vblock(cstart_ptr, cend_ptr, V, BV)
     mv2 = rv[:, None] & (cv < V)[None, :]
     aqk = tl.load(aqk_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None], other=0.0)
     offv = s * (H * V) + h * V + r[:, None] * (H * V) + cv[None, :]
