@@ -766,7 +766,8 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
         del akk
     # W, K e^{Γ_C − Γ}, Q e^Γ and the per-chunk states (and their gradients) are stored in the inputs' 16-bit dtype:
     # half the bytes the loops read, 1.2-1.3x faster fwd+bwd (H200). U and P stay fp32: their rounding is what
-    # reaches the output (notes/kda_kernel_notes.md). Loads widen to fp32, so every dot stays tf32.
+    # reaches the output (notes/kda_kernel_notes.md). The forward loop multiplies them on 16-bit tensor cores (on a
+    # GPU); every other dot widens its operands to fp32 (tf32).
     lp = dict(device=q.device, dtype=q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32)
     w, u0, kd = torch.empty(TT, H, K, **lp), torch.empty(TT, H, V, **f32), torch.empty(TT, H, K, **lp)
     qg = torch.empty(TT, H, K, **lp) if for_backward else None
