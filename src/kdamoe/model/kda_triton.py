@@ -508,7 +508,7 @@ def _bwd_dense_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, tinv_ptr, dqg_ptr, dkd_ptr, 
     tinv = tl.load(tinv_ptr + off64, mask=rv[:, None], other=0.0)
     dt = tl.load(dt_ptr + off64, mask=rv[:, None], other=0.0)
     dbeta = tl.load(db_ptr + s * H + r * H + h, mask=rv, other=0.0)
-    shift = tl.where(r[:, None] == r[None, :] + 1, 1.0, 0.0)
+    rp = rv & (r >= 1)  # rows with a previous row in the chunk
     for kh in range(0, BK, KB):
         ck = kh + tl.arange(0, KB)
         mk = ck < K
@@ -518,11 +518,16 @@ def _bwd_dense_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, tinv_ptr, dqg_ptr, dkd_ptr, 
         gam = tl.where(rv[:, None], tl.load(gam_ptr + offk, mask=m2, other=0.0), glast[None, :])
         kk = tl.load(k_ptr + offk, mask=m2, other=0.0).to(tl.float32)
         # The Γ_C − Γ_t terms (K e^{Γ_C − Γ}) and Γ_C (e^{Γ_C} S0) add Σ_{t<s} Kd_t dKd_t + e^{Γ_C} Σ_v S0 dS_C
-        # to dg_s: an exclusive prefix sum (row shift by a 0/1 matmul), no large term added and taken away again.
+        # to dg_s: an exclusive prefix sum (of the previous rows, loaded again), no large term added and taken
+        # away again.
         ed = tl.exp(glast[None, :] - gam)
         dkd = tl.load(dkd_ptr + offk, mask=m2, other=0.0)
         dgc = tl.load(dgc_ptr + (c * H + h).to(tl.int64) * K + ck, mask=mk, other=0.0)
-        dge = tl.cumsum(tl.dot(shift, kk * ed * dkd, input_precision="tf32x3"), axis=0)
+        mp = rp[:, None] & mk[None, :]
+        offp = offk - H * K
+        dge = tl.cumsum(tl.load(k_ptr + offp, mask=mp, other=0.0).to(tl.float32) * tl.load(dkd_ptr + offp, mask=mp,
+                        other=0.0) * tl.exp(tl.where(mp, glast[None, :] - tl.load(gam_ptr + offp, mask=mp, other=0.0),
+                                                     0.0)), axis=0)
         tl.store(dge_ptr + offk, dge + (tl.exp(glast) * dgc)[None, :], mask=m2)
         dk = dkd * ed
         eg = tl.exp(gam)
