@@ -49,7 +49,7 @@ LAUNCH = {
     "bwd_state_few": dict(num_warps=8, num_stages=2),  # fewer programs than SMs (one long sequence): prefetch
     "bwd_v": dict(num_warps=8, num_stages=1),
     "bwd_dense": dict(num_warps=4, num_stages=1),
-    "bwd_pair": dict(num_warps=8),
+    "bwd_pair": dict(num_warps=4),
     "bwd_dg": dict(num_warps=4),
     "recurrent": dict(num_warps=4),
 }
@@ -552,12 +552,13 @@ def _bwd_dense_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, tinv_ptr, dqg_ptr, dkd_ptr, 
 @triton.jit
 def _bwd_pair_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, dp_ptr, da_ptr, dq32_ptr, dk32_ptr, dgam_ptr, db32_ptr,
                      dq_ptr, dk_ptr, db_ptr, cstart_ptr, cend_ptr, H, K: tl.constexpr, BK: tl.constexpr,
-                     SAFE: tl.constexpr):
+                     KS: tl.constexpr, SAFE: tl.constexpr):
     """The pairwise terms of rows ``16 I .. 16 I + 15`` of a chunk, added to the partials of ``_bwd_dense_kernel``:
     row side ``X_i = Σ_{j<i} d[i, j] k_j e^{Γ_i − Γ_j}`` and column side ``Y_j = Σ_{i>j} d[i, j] x_i e^{Γ_i − Γ_j}``
     for ``d`` = dP, dA. Dense: one dot each, anchored at the block's first row ``a`` (no later token can move
     the rounding); SAFE: other blocks anchored at the block's first (row side) or last (column side) row, the
-    diagonal block pair by pair. Writes dq, dk, dβ (final) and dΓ (in place, for ``_bwd_dg_kernel``)."""
+    diagonal block pair by pair. Head dim in slices of KS (fewer live registers). Writes dq, dk, dβ (final) and dΓ
+    (in place, for ``_bwd_dg_kernel``)."""
     c = tl.program_id(0) // 4  # the 4 row blocks of a chunk run side by side: its q, k, Γ are read from L2
     h = tl.program_id(1)
     a = tl.program_id(0) % 4 * 16
@@ -568,86 +569,85 @@ def _bwd_pair_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, dp_ptr, da_ptr, dq32_ptr, dk3
     rc = tl.arange(0, 64)
     vi = ri < n
     vc = rc < n
-    ck = tl.arange(0, BK)
-    mk = ck < K
-    mi = vi[:, None] & mk[None, :]
-    mcall = vc[:, None] & mk[None, :]
     base = s * (H * K) + h * K
     base64 = s * (H * 64) + h * 64
     q_ptr += base
     k_ptr += base
     gam_ptr += base
-    offi = ri[:, None] * (H * K) + ck[None, :]
-    offc = rc[:, None] * (H * K) + ck[None, :]
-    glast = tl.load(gam_ptr + (n - 1) * (H * K) + ck, mask=mk, other=0.0)
-    ga = tl.load(gam_ptr + a * (H * K) + ck, mask=mk & (a + 0 * ck < n), other=0.0)
-    ga = tl.where(a < n, ga, glast)
-    gi = tl.where(vi[:, None], tl.load(gam_ptr + offi, mask=mi, other=0.0), glast[None, :])
-    ki = tl.load(k_ptr + offi, mask=mi, other=0.0).to(tl.float32)
-    qi = tl.load(q_ptr + offi, mask=mi, other=0.0).to(tl.float32)
-    gc = tl.where(vc[:, None], tl.load(gam_ptr + offc, mask=mcall, other=0.0), glast[None, :])
-    kc = tl.load(k_ptr + offc, mask=mcall, other=0.0).to(tl.float32)
     dp_i = tl.load(dp_ptr + base64 + ri[:, None] * (H * 64) + rc[None, :], mask=vi[:, None], other=0.0)  # [16, 64]
     da_i = tl.load(da_ptr + base64 + ri[:, None] * (H * 64) + rc[None, :], mask=vi[:, None], other=0.0)
-
-    # row side
-    if SAFE:
-        cols = rc < a
-    else:
-        cols = rc < a + 16
-    kr = tl.where(cols[:, None], kc * tl.exp(tl.where(cols[:, None], ga[None, :] - gc, 0.0)), 0.0)
-    el = tl.exp(gi - ga[None, :])
-    xp = el * tl.dot(dp_i, kr)
-    xa = el * tl.dot(da_i, kr)
-    # column side: columns of this block, rows after them
     dp_c = tl.load(dp_ptr + base64 + rc[:, None] * (H * 64) + a + tl.arange(0, 16)[None, :], mask=vc[:, None],
                    other=0.0)  # [64, 16]: d[i, j] for j in the block
     bc = tl.load(b_ptr + s * H + rc * H + h, mask=vc, other=0.0).to(tl.float32)
     dm_c = tl.load(da_ptr + base64 + rc[:, None] * (H * 64) + a + tl.arange(0, 16)[None, :], mask=vc[:, None],
                    other=0.0) * bc[:, None]
-    if SAFE:
-        gb = tl.load(gam_ptr + tl.minimum(a + 15, n - 1) * (H * K) + ck, mask=mk, other=0.0)
-        rows = rc >= a + 16
-    else:
-        gb = ga
-        rows = rc >= a
-    er = tl.exp(tl.where(rows[:, None], gc - gb[None, :], 0.0))
-    qc = tl.load(q_ptr + offc, mask=mcall, other=0.0).to(tl.float32)
-    qt = tl.where(rows[:, None], qc * er, 0.0)
-    kt = tl.where(rows[:, None], kc * er, 0.0)
-    ej = tl.exp(gb[None, :] - gi)
-    yp = ej * tl.dot(tl.trans(dp_c), qt)
-    ym = ej * tl.dot(tl.trans(dm_c), kt)
-    if SAFE:
-        for jj in range(16):
-            j = a + jj
-            mj = mk & (j + 0 * ck < n)
-            gj = tl.load(gam_ptr + j * (H * K) + ck, mask=mj, other=0.0)
-            gj = tl.where(j < n, gj, glast)
-            kj = tl.load(k_ptr + j * (H * K) + ck, mask=mj, other=0.0).to(tl.float32)
-            qj = tl.load(q_ptr + j * (H * K) + ck, mask=mj, other=0.0).to(tl.float32)
-            # row side: partner j is an earlier (or the same) token of row i
-            ok = ri >= j
-            ex = tl.exp(tl.where(ok[:, None], gi - gj[None, :], 0.0)) * kj[None, :]
-            sel = ok[:, None] & (rc[None, :] == j)
-            xp += tl.sum(tl.where(sel, dp_i, 0.0), axis=1)[:, None] * ex
-            xa += tl.sum(tl.where(sel, da_i, 0.0), axis=1)[:, None] * ex
-            # column side: partner j is a later (or the same) token of column i
-            ok = ri <= j
-            ey = tl.exp(tl.where(ok[:, None], gj[None, :] - gi, 0.0))
-            sel = ok[:, None] & (rc[None, :] == j)
-            dpj = tl.sum(tl.where(sel, tl.trans(dp_c), 0.0), axis=1)
-            dmj = tl.sum(tl.where(sel, tl.trans(dm_c), 0.0), axis=1)
-            yp += dpj[:, None] * (ey * qj[None, :])
-            ym += dmj[:, None] * (ey * kj[None, :])
     bi = tl.load(b_ptr + s * H + ri * H + h, mask=vi, other=0.0).to(tl.float32)
-    dq = tl.load(dq32_ptr + base + offi, mask=mi, other=0.0) + xp
-    dk = tl.load(dk32_ptr + base + offi, mask=mi, other=0.0) + xa * bi[:, None] + yp + ym
-    dgam = tl.load(dgam_ptr + base + offi, mask=mi, other=0.0) + qi * xp + ki * xa * bi[:, None] - ki * (yp + ym)
-    dbeta = tl.load(db32_ptr + s * H + ri * H + h, mask=vi, other=0.0) + tl.sum(ki * xa, axis=1)
-    tl.store(dq_ptr + base + offi, dq.to(dq_ptr.dtype.element_ty), mask=mi)
-    tl.store(dk_ptr + base + offi, dk.to(dk_ptr.dtype.element_ty), mask=mi)
-    tl.store(dgam_ptr + base + offi, dgam, mask=mi)
+    dbeta = tl.load(db32_ptr + s * H + ri * H + h, mask=vi, other=0.0)
+    if SAFE:
+        cols = (rc < a)[:, None]
+        rows = (rc >= a + 16)[:, None]
+    else:
+        cols = (rc < a + 16)[:, None]
+        rows = (rc >= a)[:, None]
+    for kh in range(0, BK, KS):
+        ck = kh + tl.arange(0, KS)
+        mk = ck < K
+        mi = vi[:, None] & mk[None, :]
+        mcall = vc[:, None] & mk[None, :]
+        offi = ri[:, None] * (H * K) + ck[None, :]
+        offc = rc[:, None] * (H * K) + ck[None, :]
+        glast = tl.load(gam_ptr + (n - 1) * (H * K) + ck, mask=mk, other=0.0)
+        ga = tl.load(gam_ptr + a * (H * K) + ck, mask=mk & (a + 0 * ck < n), other=0.0)
+        ga = tl.where(a < n, ga, glast)
+        gi = tl.where(vi[:, None], tl.load(gam_ptr + offi, mask=mi, other=0.0), glast[None, :])
+        ki = tl.load(k_ptr + offi, mask=mi, other=0.0).to(tl.float32)
+        qi = tl.load(q_ptr + offi, mask=mi, other=0.0).to(tl.float32)
+        gc = tl.where(vc[:, None], tl.load(gam_ptr + offc, mask=mcall, other=0.0), glast[None, :])
+        kc = tl.load(k_ptr + offc, mask=mcall, other=0.0).to(tl.float32)
+        # row side
+        kr = tl.where(cols, kc * tl.exp(tl.where(cols, ga[None, :] - gc, 0.0)), 0.0)
+        el = tl.exp(gi - ga[None, :])
+        xp = el * tl.dot(dp_i, kr)
+        xa = el * tl.dot(da_i, kr)
+        # column side: columns of this block, rows after them
+        if SAFE:
+            gb = tl.load(gam_ptr + tl.minimum(a + 15, n - 1) * (H * K) + ck, mask=mk, other=0.0)
+        else:
+            gb = ga
+        er = tl.exp(tl.where(rows, gc - gb[None, :], 0.0))
+        qc = tl.load(q_ptr + offc, mask=mcall, other=0.0).to(tl.float32)
+        ej = tl.exp(gb[None, :] - gi)
+        yp = ej * tl.dot(tl.trans(dp_c), tl.where(rows, qc * er, 0.0))
+        ym = ej * tl.dot(tl.trans(dm_c), tl.where(rows, kc * er, 0.0))
+        if SAFE:
+            for jj in range(16):
+                j = a + jj
+                mj = mk & (j + 0 * ck < n)
+                gj = tl.load(gam_ptr + j * (H * K) + ck, mask=mj, other=0.0)
+                gj = tl.where(j < n, gj, glast)
+                kj = tl.load(k_ptr + j * (H * K) + ck, mask=mj, other=0.0).to(tl.float32)
+                qj = tl.load(q_ptr + j * (H * K) + ck, mask=mj, other=0.0).to(tl.float32)
+                # row side: partner j is an earlier (or the same) token of row i
+                ok = ri >= j
+                ex = tl.exp(tl.where(ok[:, None], gi - gj[None, :], 0.0)) * kj[None, :]
+                sel = ok[:, None] & (rc[None, :] == j)
+                xp += tl.sum(tl.where(sel, dp_i, 0.0), axis=1)[:, None] * ex
+                xa += tl.sum(tl.where(sel, da_i, 0.0), axis=1)[:, None] * ex
+                # column side: partner j is a later (or the same) token of column i
+                ok = ri <= j
+                ey = tl.exp(tl.where(ok[:, None], gj[None, :] - gi, 0.0))
+                sel = ok[:, None] & (rc[None, :] == j)
+                dpj = tl.sum(tl.where(sel, tl.trans(dp_c), 0.0), axis=1)
+                dmj = tl.sum(tl.where(sel, tl.trans(dm_c), 0.0), axis=1)
+                yp += dpj[:, None] * (ey * qj[None, :])
+                ym += dmj[:, None] * (ey * kj[None, :])
+        dq = tl.load(dq32_ptr + base + offi, mask=mi, other=0.0) + xp
+        dk = tl.load(dk32_ptr + base + offi, mask=mi, other=0.0) + xa * bi[:, None] + yp + ym
+        dgam = tl.load(dgam_ptr + base + offi, mask=mi, other=0.0) + qi * xp + ki * xa * bi[:, None] - ki * (yp + ym)
+        dbeta += tl.sum(ki * xa, axis=1)
+        tl.store(dq_ptr + base + offi, dq.to(dq_ptr.dtype.element_ty), mask=mi)
+        tl.store(dk_ptr + base + offi, dk.to(dk_ptr.dtype.element_ty), mask=mi)
+        tl.store(dgam_ptr + base + offi, dgam, mask=mi)
     tl.store(db_ptr + s * H + ri * H + h, dbeta.to(db_ptr.dtype.element_ty), mask=vi)
 
 
@@ -846,7 +846,7 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep=Non
                                    dge, db32, da, cstart, cend, scale, H, K, BK, min(BK, 32),
                                    **LAUNCH["bwd_dense"])
         _bwd_pair_kernel[(NC * 4, H)](q, k, beta, fw["gam"], dp, da, dq32, dk32, dgam, db32, dq, dk, db, cstart,
-                                     cend, H, K, BK, SAFE=safe, **LAUNCH["bwd_pair"])
+                                     cend, H, K, BK, min(BK, 32), SAFE=safe, **LAUNCH["bwd_pair"])
         _bwd_dg_kernel[(NC, H)](dgam, dge, g, a, dtb, dg, da_part, ddtb_part, cstart, cend, lb, H, K, BK, GATE=mode,
                                 **LAUNCH["bwd_dg"])
     dgate = (da_part.sum(0), ddtb_part.sum(0)) if mode else None
