@@ -43,6 +43,7 @@ LAUNCH = {
     "solve": dict(num_warps=2),
     "wu": dict(num_warps=8, maxnreg=128),
     "fwd_state": dict(num_warps=4),
+    "fwd_state_o": dict(num_warps=8),  # the loop writing O (no per-chunk states kept: a 1M-token forward)
     "fwd_o": dict(num_warps=2),
     "bwd_du0": dict(num_warps=2),
     "bwd_state": dict(num_warps=4, num_stages=1),
@@ -790,11 +791,12 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     hs = torch.empty(max(NC, 1), H, K, V, **lp) if keep_states else None
     o = None if for_backward else torch.empty(TT, H, V, device=q.device, dtype=q.dtype)
     dummy = gam
+    # 2 pipeline stages (prefetch) fit shared memory with 16-bit W and Kd up to BK = 128
     _fwd_state_kernel[(triton.cdiv(V, BV), N, H)](
         q, gam, aqk, o if o is not None else dummy, kd, dl, w, u0, h0 if h0 is not None else dummy,
         ht if ht is not None else dummy, hs if hs is not None else dummy, cu, coff, scale, H, K, V, BK, BV,
         HAS_H0=h0 is not None, STORE_HT=ht is not None, STORE_H=keep_states, WRITE_O=not keep_states, LP=q.is_cuda,
-        num_stages=2 if BK <= 128 else 1, **LAUNCH["fwd_state"])  # prefetch: fits with 16-bit W and Kd
+        num_stages=2 if BK <= 128 else 1, **LAUNCH["fwd_state" if keep_states else "fwd_state_o"])
     if o is not None and keep_states and NC > 0:
         BVo = min(BVf, 64)
         _fwd_o_kernel[(NC * triton.cdiv(V, BVo), H)](q, gam, aqk, hs, u0, o, cstart, cend, scale, H, K, V, BK, BVo,
