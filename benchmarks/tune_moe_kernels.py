@@ -1,5 +1,6 @@
 """Block sizes of the MoE token kernels (moe_triton.py) at the bench_moe shape: the combine's gather-sum and its
-backward, each configuration checked against torch and timed (do_bench median). Prints a table, writes JSON.
+backward, and the SiTU-GLU forward and backward (`SITU_LAUNCH`) on the routed experts' packed `[N*k, 2I]`
+projection; each configuration checked against torch and timed (do_bench median). Prints a table, writes JSON.
 
     PYTHONPATH=src python benchmarks/tune_moe_kernels.py
 """
@@ -11,9 +12,43 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from kdamoe.model import moe_triton
+from kdamoe.model.moe import _situ_glu_backward, _situ_glu_forward
 from kdamoe.model.moe_triton import _combine_bwd_kernel, _gather_sum_kernel
 
-N, K, D = 16384, 8, 2048
+N, K, D, I = 16384, 8, 2048, 768
+
+
+def tune_situ_glu():
+    """SiTU-GLU forward / backward under each `SITU_LAUNCH` candidate; bytes moved per call over the time."""
+    gate_up = torch.randn(N * K, 2 * I, device="cuda", dtype=torch.bfloat16) * 4
+    g, u = gate_up.chunk(2, dim=-1)
+    dh = torch.randn(N * K, I, device="cuda", dtype=torch.bfloat16)
+    want = _situ_glu_forward(g, u).float()
+    want_dg, want_du = (t.float() for t in _situ_glu_backward(g, u, dh))
+    h = torch.empty(N * K, I, device="cuda", dtype=torch.bfloat16)
+    dgu = torch.empty_like(gate_up)
+    dg, du = dgu.chunk(2, dim=-1)
+    elem = N * K * I * 2  # bytes of one [N*k, I] bf16 tensor
+    rows = []
+    for block_n in (128, 256, 1024):
+        for elems in (2048, 4096, 8192, 16384):
+            for warps in (4, 8):
+                moe_triton.SITU_LAUNCH.update(block_n=block_n, elems=elems, num_warps=warps)
+                fwd = lambda: moe_triton.situ_glu_fwd_triton(g, u, h)  # noqa: E731
+                bwd = lambda: moe_triton.situ_glu_bwd_triton(g, u, dh, dg, du)  # noqa: E731
+                fwd()
+                bwd()
+                err = max(((a.float() - b).norm() / b.norm()).item() for a, b in ((h, want), (dg, want_dg),
+                                                                                  (du, want_du)))
+                ms_f = do_bench(fwd, warmup=20, rep=200, return_mode="median")
+                ms_b = do_bench(bwd, warmup=20, rep=200, return_mode="median")
+                rows.append(dict(block_n=block_n, elems=elems, warps=warps, fwd_ms=ms_f, fwd_tbs=3 * elem / ms_f / 1e9,
+                                 bwd_ms=ms_b, bwd_tbs=5 * elem / ms_b / 1e9, err=err))
+                print(f"SiTU-GLU block_n {block_n:5d} elems {elems:6d} warps {warps}: fwd {ms_f:.3f} ms "
+                      f"({3 * elem / ms_f / 1e9:.2f} TB/s), bwd {ms_b:.3f} ms ({5 * elem / ms_b / 1e9:.2f} TB/s), "
+                      f"err {err:.1e}", flush=True)
+    return rows
 
 
 def main():
@@ -50,8 +85,9 @@ def main():
                              gather_sum_err=err, combine_bwd_ms=ms_b, combine_bwd_err=err_b))
             print(f"BLOCK_D {block_d:5d} warps {warps}: gather-sum {ms:.3f} ms ({byts / ms / 1e9:.2f} TB/s, "
                   f"err {err:.1e}); combine bwd {ms_b:.3f} ms (dw err {err_b:.1e})", flush=True)
+    situ = tune_situ_glu()
     with open(os.path.join(os.environ.get("OUT", "."), "tune_moe_kernels.json"), "w") as f:
-        json.dump(rows, f, indent=1)
+        json.dump(dict(combine=rows, situ_glu=situ), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -104,10 +104,17 @@ print("OK")
 def test_mlp_matches_formula(activation):
     config = make_config(expert_activation=activation)
     mlp = init_(KDAMoEMLP(config, 12)).double()
-    x = torch.randn(3, 4, 16, dtype=torch.float64)
+    x = torch.randn(3, 4, 16, dtype=torch.float64, requires_grad=True)
     g, u = x @ mlp.gate_proj.weight.T, x @ mlp.up_proj.weight.T
     h = situ_formula(g, u) if activation == "situ_glu" else F.silu(g) * u
-    torch.testing.assert_close(mlp(x), h @ mlp.down_proj.weight.T)
+    want = h @ mlp.down_proj.weight.T
+    got = mlp(x)
+    torch.testing.assert_close(got, want)
+    # gradients through the packed gate/up GEMM equal those of the two separate projections
+    dout = torch.randn_like(want)
+    inputs = (x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    for a, b in zip(torch.autograd.grad(got, inputs, dout), torch.autograd.grad(want, inputs, dout)):
+        torch.testing.assert_close(a, b)
 
 
 # ----------------------------------------------------------------------------------------------- experts
