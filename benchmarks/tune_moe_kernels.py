@@ -1,10 +1,11 @@
 """Block sizes of the MoE token kernels (moe_triton.py) at the bench_moe shape: the combine's gather-sum and its
-backward, and the SiTU-GLU forward and backward (`SITU_LAUNCH`) on the routed experts' packed `[N*k, 2I]`
-projection; each configuration checked against torch and timed (do_bench median). Prints a table, writes JSON.
+backward, the SiTU-GLU forward and backward (`SITU_LAUNCH`) on the routed experts' packed `[N*k, 2I]`
+projection, and the token permutation's row gather (`GATHER_LAUNCH`) against `index_select`; each configuration checked against torch and timed (do_bench median). Prints a table, writes JSON.
 
-    PYTHONPATH=src python benchmarks/tune_moe_kernels.py
+    PYTHONPATH=src python benchmarks/tune_moe_kernels.py [--kernels combine,situ_glu,gather_rows]
 """
 
+import argparse
 import json
 import os
 
@@ -17,6 +18,30 @@ from kdamoe.model.moe import _situ_glu_backward, _situ_glu_forward
 from kdamoe.model.moe_triton import _combine_bwd_kernel, _gather_sum_kernel
 
 N, K, D, I = 16384, 8, 2048, 768
+
+
+def tune_gather_rows():
+    """Row gather `x[p] = hidden[p // k]`-style (random token order) under each `GATHER_LAUNCH` candidate."""
+    hidden = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
+    index = torch.randperm(N * K, device="cuda") // K
+    want = hidden.index_select(0, index)
+    out = torch.empty_like(want)
+    byts = 2 * N * K * D * 2  # rows read + rows written
+    ms = do_bench(lambda: hidden.index_select(0, index), warmup=20, rep=200, return_mode="median")
+    rows = [dict(impl="index_select", ms=ms, tbs=byts / ms / 1e9)]
+    print(f"gather index_select: {ms:.3f} ms ({byts / ms / 1e9:.2f} TB/s)", flush=True)
+    for block_d in (512, 1024, 2048):
+        for elems in (4096, 8192, 16384):
+            for warps in (4, 8):
+                moe_triton.GATHER_LAUNCH.update(block_d=block_d, elems=elems, num_warps=warps)
+                fn = lambda: moe_triton.gather_rows_triton(hidden, index, out)  # noqa: E731
+                fn()
+                assert torch.equal(out, want)
+                ms = do_bench(fn, warmup=20, rep=200, return_mode="median")
+                rows.append(dict(block_d=block_d, elems=elems, warps=warps, ms=ms, tbs=byts / ms / 1e9))
+                print(f"gather block_d {block_d:5d} elems {elems:6d} warps {warps}: {ms:.3f} ms "
+                      f"({byts / ms / 1e9:.2f} TB/s)", flush=True)
+    return rows
 
 
 def tune_situ_glu():
@@ -51,8 +76,8 @@ def tune_situ_glu():
     return rows
 
 
-def main():
-    torch.manual_seed(0)
+def tune_combine():
+    """The combine's gather-sum and its backward under each (BLOCK_D, num_warps)."""
     y = torch.randn(N * K, D, device="cuda", dtype=torch.bfloat16)
     inverse = torch.randperm(N * K, device="cuda")
     w = torch.rand(N, K, device="cuda")
@@ -85,9 +110,18 @@ def main():
                              gather_sum_err=err, combine_bwd_ms=ms_b, combine_bwd_err=err_b))
             print(f"BLOCK_D {block_d:5d} warps {warps}: gather-sum {ms:.3f} ms ({byts / ms / 1e9:.2f} TB/s, "
                   f"err {err:.1e}); combine bwd {ms_b:.3f} ms (dw err {err_b:.1e})", flush=True)
-    situ = tune_situ_glu()
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kernels", default="combine,situ_glu,gather_rows", help="comma-separated")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    tuners = dict(combine=tune_combine, situ_glu=tune_situ_glu, gather_rows=tune_gather_rows)
+    res = {name: tuners[name]() for name in args.kernels.split(",")}
     with open(os.path.join(os.environ.get("OUT", "."), "tune_moe_kernels.json"), "w") as f:
-        json.dump(dict(combine=rows, situ_glu=situ), f, indent=1)
+        json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -253,7 +253,7 @@ def test_combine_dtypes(y_dtype, w_dtype):
 @pytest.mark.parametrize("n,k,d", [(5, 2, 40), (6, 9, 300)])  # (6, 9, 300): masked slots, two blocks of D
 @pytest.mark.parametrize("y_dtype", [torch.float32, torch.bfloat16])
 def test_combine_and_permute_triton_match_torch(monkeypatch, n, k, d, y_dtype):
-    """The Triton combine / permute-backward kernels (the interpreter on CPU) against the torch path."""
+    """The Triton combine / permute kernels, forward and backward (the interpreter on CPU), against the torch path."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     _, order, inverse = sorted_routing(n, 12, k, seed=5)
     order, inverse = order.to(device), inverse.to(device)
@@ -276,6 +276,7 @@ def test_combine_and_permute_triton_match_torch(monkeypatch, n, k, d, y_dtype):
     for want, got in zip(*results):
         assert got.dtype == want.dtype
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert torch.equal(results[1][4], results[0][4])  # the permutation is a copy: bit-identical rows
 
 
 @pytest.mark.skipif(moe.gather_sum_triton is None, reason="triton not installed")

@@ -7,9 +7,15 @@ import torch.nn.functional as F
 from torch import nn
 
 try:
-    from .moe_triton import combine_bwd_triton, gather_sum_triton, situ_glu_bwd_triton, situ_glu_fwd_triton
+    from .moe_triton import (
+        combine_bwd_triton,
+        gather_rows_triton,
+        gather_sum_triton,
+        situ_glu_bwd_triton,
+        situ_glu_fwd_triton,
+    )
 except ImportError:
-    situ_glu_fwd_triton = situ_glu_bwd_triton = gather_sum_triton = combine_bwd_triton = None
+    situ_glu_fwd_triton = situ_glu_bwd_triton = gather_sum_triton = combine_bwd_triton = gather_rows_triton = None
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -157,6 +163,9 @@ class _PermuteTokens(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, token_of: torch.Tensor, inverse: torch.Tensor, top_k: int):
         ctx.save_for_backward(inverse)
         ctx.top_k = top_k
+        if _use_triton(hidden):
+            out = torch.empty(token_of.numel(), hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
+            return gather_rows_triton(_as_rows(hidden), token_of.contiguous(), out)
         return hidden.index_select(0, token_of)
 
     @staticmethod
