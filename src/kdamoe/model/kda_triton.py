@@ -352,9 +352,10 @@ def _chunk_vblock(cstart_ptr, cend_ptr, V: tl.constexpr, BV: tl.constexpr):
 
 
 @triton.jit
-def _fwd_o_kernel(q_ptr, gam_ptr, aqk_ptr, hs_ptr, us_ptr, o_ptr, cstart_ptr, cend_ptr, scale, H, K: tl.constexpr,
+def _fwd_o_kernel(qg_ptr, aqk_ptr, hs_ptr, us_ptr, o_ptr, cstart_ptr, cend_ptr, H, K: tl.constexpr,
                   V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """``O = (scale Q e^Γ) S0 + P U`` of one chunk and V block, from the states stored by the chunk loop."""
+    """``O = Qg S0 + P U`` (``Qg = scale Q e^Γ`` as stored by ``_wu_kernel``) of one chunk and V block, from the
+    states stored by the chunk loop."""
     c, h, cv, s, r, rv = _chunk_vblock(cstart_ptr, cend_ptr, V, BV)
     ck = tl.arange(0, BK)
     mk = ck < K
@@ -362,8 +363,7 @@ def _fwd_o_kernel(q_ptr, gam_ptr, aqk_ptr, hs_ptr, us_ptr, o_ptr, cstart_ptr, ce
     mv2 = rv[:, None] & mv[None, :]
     offk = s * (H * K) + h * K + r[:, None] * (H * K) + ck[None, :]
     m2 = rv[:, None] & mk[None, :]
-    qg = tl.load(q_ptr + offk, mask=m2, other=0.0).to(tl.float32)
-    qg *= tl.exp(tl.load(gam_ptr + offk, mask=m2, other=0.0)) * scale
+    qg = tl.load(qg_ptr + offk, mask=m2, other=0.0).to(tl.float32)
     s0 = tl.load(hs_ptr + (c * H + h).to(tl.int64) * (K * V) + ck[:, None] * V + cv[None, :],
                  mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
     aqk = tl.load(aqk_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None], other=0.0)
@@ -776,18 +776,20 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     # GPU); every other dot widens its operands to fp32 (tf32).
     lp = dict(device=q.device, dtype=q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32)
     w, u0, kd = torch.empty(TT, H, K, **lp), torch.empty(TT, H, V, **f32), torch.empty(TT, H, K, **lp)
-    qg = torch.empty(TT, H, K, **lp) if for_backward else None
+    # Per-chunk states: kept when the backward needs them, or when small enough (then O runs in a parallel kernel
+    # and the loop prefetches); otherwise (a 1M-token forward) the loop writes O itself and keeps none.
+    keep_states = for_backward or NC * H * K * V * w.element_size() <= STATES_LIMIT_BYTES
+    # Q e^Γ (times scale) for the backward and for the parallel O kernel (16 bits: a third of the bytes of Q and Γ)
+    store_qg = for_backward or keep_states
+    qg = torch.empty(TT, H, K, **lp) if store_qg else None
     dl = torch.empty(max(NC, 1), H, K, **f32)
     if NC > 0:
-        _wu_kernel[(NC, H)](q, k, v, beta, gam, tinv, w, u0, qg if for_backward else w, kd, dl, cstart, cend, scale,
-                            H, K, V, BK, BVf, STORE_QG=for_backward, **LAUNCH["wu"])
+        _wu_kernel[(NC, H)](q, k, v, beta, gam, tinv, w, u0, qg if store_qg else w, kd, dl, cstart, cend, scale,
+                            H, K, V, BK, BVf, STORE_QG=store_qg, **LAUNCH["wu"])
     out = dict(gam=gam, aqk=aqk, tinv=tinv, w=w, qg=qg, kd=kd, dl=dl)
     if not (for_backward or keep_prep):
         del out["tinv"], tinv
     ht = torch.empty(N, H, K, V, **f32) if (output_final_state and not for_backward) else None
-    # Per-chunk states: kept when the backward needs them, or when small enough (then O runs in a parallel kernel
-    # and the loop prefetches); otherwise (a 1M-token forward) the loop writes O itself and keeps none.
-    keep_states = for_backward or NC * H * K * V * w.element_size() <= STATES_LIMIT_BYTES
     hs = torch.empty(max(NC, 1), H, K, V, **lp) if keep_states else None
     o = None if for_backward else torch.empty(TT, H, V, device=q.device, dtype=q.dtype)
     dummy = gam
@@ -799,7 +801,7 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
         num_stages=2 if BK <= 128 else 1, **LAUNCH["fwd_state" if keep_states else "fwd_state_o"])
     if o is not None and keep_states and NC > 0:
         BVo = min(BVf, 64)
-        _fwd_o_kernel[(NC * triton.cdiv(V, BVo), H)](q, gam, aqk, hs, u0, o, cstart, cend, scale, H, K, V, BK, BVo,
+        _fwd_o_kernel[(NC * triton.cdiv(V, BVo), H)](qg, aqk, hs, u0, o, cstart, cend, H, K, V, BK, BVo,
                                                    **LAUNCH["fwd_o"])
     us = u0  # U0 was overwritten with U
     out.update(o=o, ht=ht, hs=hs, us=us)
