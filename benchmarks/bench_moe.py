@@ -10,10 +10,9 @@ statistics count as overhead); the JSON also gives the rate with the shared expe
 on the benchmark batch (the state a QB-trained layer runs in; MaxVio before and after is printed) and
 transformers' block gets the same selection bias, so all implementations route alike. Before timing, every
 implementation's output is compared with a float64 loop reference that uses the same weights and routing
-(relative Frobenius error). Times are `triton.testing.do_bench`
-medians (calls back to back, as in bench_kda.py); the `synced` column synchronises before every call (the
-earlier sessions' method, which also counts each call's launch latency from an idle GPU). The dense GEMM's rate is
-the better of the two timings.
+(relative Frobenius error). Times are `triton.testing.do_bench` medians (calls back to back, as in bench_kda.py);
+the `synced` column synchronises before every call (the earlier sessions' method, which also counts each call's
+launch latency from an idle GPU). The dense GEMM's rate is the better of the two timings.
 
     python benchmarks/bench_moe.py --out bench_moe.json          # GPU, 16K tokens, d 2048, 128 experts top-8, I 768
     python benchmarks/bench_moe.py --smoke                       # tiny CPU run: checks that everything executes
