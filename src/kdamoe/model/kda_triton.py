@@ -34,7 +34,10 @@ import triton.language as tl
 CHUNK = 64
 GATES = ("bounded", "softplus")
 L2NORM_EPS = 1e-6
-STATES_LIMIT_BYTES = 4 << 30  # forward without autograd: keep per-chunk states (faster) up to this size
+# The forward keeps per-chunk states (then O runs in a parallel kernel: faster) when they take at most this many
+# bytes more than the fp32 Γ that it frees before allocating them (head dim 128: the same bytes); else (V > K at
+# very long T) the chunk loop writes O itself and keeps none.
+STATES_LIMIT_BYTES = 4 << 30
 # Launch settings per kernel on CUDA (the CPU interpreter ignores them), as timed on an H200 by
 # benchmarks/tune_kda_kernels.py; the forward loop takes 2 pipeline stages where shared memory allows (BK <= 128).
 LAUNCH = {
@@ -776,9 +779,9 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     # GPU); every other dot widens its operands to fp32 (tf32).
     lp = dict(device=q.device, dtype=q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32)
     w, u0, kd = torch.empty(TT, H, K, **lp), torch.empty(TT, H, V, **f32), torch.empty(TT, H, K, **lp)
-    # Per-chunk states: kept when the backward needs them, or when small enough (then O runs in a parallel kernel
-    # and the loop prefetches); otherwise (a 1M-token forward) the loop writes O itself and keeps none.
-    keep_states = for_backward or NC * H * K * V * w.element_size() <= STATES_LIMIT_BYTES
+    # Per-chunk states: kept when the backward needs them, or when they fit in what freeing Γ gives back (plus
+    # STATES_LIMIT_BYTES); then O runs in a parallel kernel and the loop prefetches.
+    keep_states = for_backward or NC * H * K * V * w.element_size() <= STATES_LIMIT_BYTES + gam.numel() * 4
     # Q e^Γ (times scale) for the backward and for the parallel O kernel (16 bits: a third of the bytes of Q and Γ)
     store_qg = for_backward or keep_states
     qg = torch.empty(TT, H, K, **lp) if store_qg else None
@@ -786,17 +789,22 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     if NC > 0:
         _wu_kernel[(NC, H)](q, k, v, beta, gam, tinv, w, u0, qg if store_qg else w, kd, dl, cstart, cend, scale,
                             H, K, V, BK, BVf, STORE_QG=store_qg, **LAUNCH["wu"])
-    out = dict(gam=gam, aqk=aqk, tinv=tinv, w=w, qg=qg, kd=kd, dl=dl)
+    out = dict(aqk=aqk, tinv=tinv, w=w, qg=qg, kd=kd, dl=dl)
     if not (for_backward or keep_prep):
         del out["tinv"], tinv
+    if for_backward:
+        out["gam"] = gam
+    elif keep_states:
+        gam = None  # read again only by a loop that writes O: its bytes go to the per-chunk states
     ht = torch.empty(N, H, K, V, **f32) if (output_final_state and not for_backward) else None
     hs = torch.empty(max(NC, 1), H, K, V, **lp) if keep_states else None
     o = None if for_backward else torch.empty(TT, H, V, device=q.device, dtype=q.dtype)
-    dummy = gam
+    dummy = dl
     # 2 pipeline stages (prefetch) fit shared memory with 16-bit W and Kd up to BK = 128
     _fwd_state_kernel[(triton.cdiv(V, BV), N, H)](
-        q, gam, aqk, o if o is not None else dummy, kd, dl, w, u0, h0 if h0 is not None else dummy,
-        ht if ht is not None else dummy, hs if hs is not None else dummy, cu, coff, scale, H, K, V, BK, BV,
+        q, gam if gam is not None else dummy, aqk, o if o is not None else dummy, kd, dl, w, u0,
+        h0 if h0 is not None else dummy, ht if ht is not None else dummy, hs if hs is not None else dummy, cu, coff,
+        scale, H, K, V, BK, BV,
         HAS_H0=h0 is not None, STORE_HT=ht is not None, STORE_H=keep_states, WRITE_O=not keep_states, LP=q.is_cuda,
         num_stages=2 if BK <= 128 else 1, **LAUNCH["fwd_state" if keep_states else "fwd_state_o"])
     if o is not None and keep_states and NC > 0:
