@@ -134,17 +134,23 @@ def peak_forward(fn, x, gate):
 
 
 def profile_ours():
+    """Per-kernel CUDA times of one forward and one forward+backward of ours, 1x32K, both gates."""
     x = make(1, 32768)
     leaves = {n: x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta")}
     for gate in ("bounded", "softplus"):
-        for _ in range(2):
-            run_ours(x, gate).backward(torch.ones_like(x["v"]))
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            run_ours(x, gate).backward(torch.ones_like(x["v"]))
+        for bwd in (False, True):
+            def step():
+                o = run_ours(x, gate)
+                if bwd:
+                    o.backward(torch.ones_like(x["v"]))
+            for _ in range(2):
+                step()
             torch.cuda.synchronize()
-        print(f"ours-{gate}, 1x32K fwd+bwd, per kernel:")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+            print(f"ours-{gate}, 1x32K {'fwd+bwd' if bwd else 'fwd'}, per kernel:")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=40))
     del leaves
 
 
