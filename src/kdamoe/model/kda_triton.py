@@ -749,6 +749,14 @@ def _launch_cfg(K, V):
     return BK, BVf, min(BVf, 32)  # V split in 32-wide blocks: more programs for the sequential chunk loop
 
 
+def _loop_bv(BV, N, H, V, device):
+    """V block of the sequential chunk loops: BV, or 16 when BV-wide blocks leave SMs idle (few long sequences:
+    twice the programs, each half the work per chunk; 16 is only ever the N dimension of a dot)."""
+    if device.type == "cuda" and triton.cdiv(V, BV) * N * H < torch.cuda.get_device_properties(device).multi_processor_count:
+        return 16
+    return BV
+
+
 def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state, for_backward=False,
              keep_prep=False, prep=None):
     """Run the forward kernels on flat ``[TT, H, *]`` tensors; ``gate = (mode, exp(A_log) [H], dt_bias [H*K],
@@ -800,11 +808,12 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     hs = torch.empty(max(NC, 1), H, K, V, **lp) if keep_states else None
     o = None if for_backward else torch.empty(TT, H, V, device=q.device, dtype=q.dtype)
     dummy = dl
+    BVl = _loop_bv(BV, N, H, V, q.device)
     # 2 pipeline stages (prefetch) fit shared memory with 16-bit W and Kd up to BK = 128
-    _fwd_state_kernel[(triton.cdiv(V, BV), N, H)](
+    _fwd_state_kernel[(triton.cdiv(V, BVl), N, H)](
         q, gam if gam is not None else dummy, aqk, o if o is not None else dummy, kd, dl, w, u0,
         h0 if h0 is not None else dummy, ht if ht is not None else dummy, hs if hs is not None else dummy, cu, coff,
-        scale, H, K, V, BK, BV,
+        scale, H, K, V, BK, BVl,
         HAS_H0=h0 is not None, STORE_HT=ht is not None, STORE_H=keep_states, WRITE_O=not keep_states, LP=q.is_cuda,
         num_stages=2 if BK <= 128 else 1, **LAUNCH["fwd_state" if keep_states else "fwd_state_o"])
     if o is not None and keep_states and NC > 0:
@@ -832,11 +841,11 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep=Non
         BVo = min(BVf, 64)
         _bwd_du0_kernel[(NC * triton.cdiv(V, BVo), H)](fw["aqk"], do, dus, cstart, cend, H, V, BVo,
                                                       **LAUNCH["bwd_du0"])
-    few = q.is_cuda and triton.cdiv(V, BV) * N * H < torch.cuda.get_device_properties(q.device).multi_processor_count
-    launch = dict(LAUNCH["bwd_state_few" if few else "bwd_state"], **({"num_stages": 1} if BK > 128 else {}))
-    _bwd_state_kernel[(triton.cdiv(V, BV), N, H)](
+    BVl = _loop_bv(BV, N, H, V, q.device)
+    launch = dict(LAUNCH["bwd_state_few" if BVl < BV else "bwd_state"], **({"num_stages": 1} if BK > 128 else {}))
+    _bwd_state_kernel[(triton.cdiv(V, BVl), N, H)](
         fw["qg"], fw["kd"], fw["dl"], fw["w"], do, dht if dht is not None else dhs,
-        dh0 if dh0 is not None else dhs, dhs, dus, cu, coff, H, K, V, BK, BV, HAS_DHT=dht is not None,
+        dh0 if dh0 is not None else dhs, dhs, dus, cu, coff, H, K, V, BK, BVl, HAS_DHT=dht is not None,
         STORE_DH0=dh0 is not None, LP=False, **launch)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty_like(g)
