@@ -105,6 +105,22 @@ def test_forward_without_kept_states_matches_oracle(monkeypatch):
 
 
 @kernel_test
+@pytest.mark.parametrize("keep_states", [True, False])
+def test_forward_loop_with_16_wide_v_blocks(monkeypatch, keep_states):
+    """16-wide V blocks in the forward chunk loop (what a GPU takes when 32-wide ones leave SMs idle), on both of
+    its paths (per-chunk states kept, or O written by the loop)."""
+    q, k, v, g, beta = make_inputs(1, 200, 2, 16, 32, "bounded")
+    cu = torch.tensor([0, 70, 70, 200], device=DEV)
+    h0 = torch.randn(3, 2, 16, 32, device=DEV)
+    ro, rht = oracle(q, k, v, g, beta, h0, cu_seqlens=cu)
+    monkeypatch.setattr(kda_triton, "_fwd_loop_bv", lambda BV, N, H, V, device: 16)
+    if not keep_states:
+        monkeypatch.setattr(kda_triton, "STATES_LIMIT_BYTES", -(1 << 62))
+    o, ht = kda_triton.chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    assert rel(o, ro) < TOL and rel(ht, rht) < TOL
+
+
+@kernel_test
 @pytest.mark.parametrize("gate", ["bounded", "softplus"])
 def test_backward_matches_oracle(gate):
     inputs = make_inputs(1, 100, 2, 16, 32, gate) + [torch.randn(1, 2, 16, 32, device=DEV)]
