@@ -264,7 +264,7 @@ def _wu_kernel(q_ptr, k_ptr, v_ptr, b_ptr, gam_ptr, tinv_ptr, w_ptr, u_ptr, qg_p
         offv = s * (H * V) + h * V + r[:, None] * (H * V) + cv[None, :]
         mv2 = rv[:, None] & (cv < V)[None, :]
         vv = tl.load(v_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
-        tl.store(u_ptr + offv, tl.dot(tinv, vv * beta[:, None]), mask=mv2)
+        tl.store(u_ptr + offv, tl.dot(tinv, vv * beta[:, None]).to(u_ptr.dtype.element_ty), mask=mv2)
 
 
 @triton.jit
@@ -326,8 +326,8 @@ def _fwd_state_kernel(q_ptr, gam_ptr, aqk_ptr, o_ptr, kd_ptr, dl_ptr, w_ptr, u_p
         if STORE_H:
             tl.store(hs_ptr + ((coff + i) * H + h) * (K * V) + offs_s, S.to(hs_ptr.dtype.element_ty), mask=ms)
         w = tl.load(w_ptr + bk + offk, mask=m2, other=0.0)
-        u = tl.load(u_ptr + bv + offv, mask=mv2, other=0.0) - _lp_dot(w, S, LP)
-        tl.store(u_ptr + bv + offv, u, mask=mv2)
+        u = tl.load(u_ptr + bv + offv, mask=mv2, other=0.0).to(tl.float32) - _lp_dot(w, S, LP)
+        tl.store(u_ptr + bv + offv, u.to(u_ptr.dtype.element_ty), mask=mv2)
         if WRITE_O:
             qg = tl.load(q_ptr + bk + offk, mask=m2, other=0.0).to(tl.float32)
             qg *= tl.exp(tl.load(gam_ptr + bk + offk, mask=m2, other=0.0)) * scale
@@ -371,7 +371,7 @@ def _fwd_o_kernel(qg_ptr, aqk_ptr, hs_ptr, us_ptr, o_ptr, cstart_ptr, cend_ptr, 
                  mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
     aqk = tl.load(aqk_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None], other=0.0)
     offv = s * (H * V) + h * V + r[:, None] * (H * V) + cv[None, :]
-    u = tl.load(us_ptr + offv, mask=mv2, other=0.0)
+    u = tl.load(us_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
     o = tl.dot(qg, s0) + tl.dot(aqk, u)
     tl.store(o_ptr + offv, o.to(o_ptr.dtype.element_ty), mask=mv2)
 
@@ -468,7 +468,7 @@ def _bwd_v_kernel(v_ptr, b_ptr, tinv_ptr, hs_ptr, dhs_ptr, us_ptr, dus_ptr, do_p
         s0 = tl.load(hs_ptr + state_off + offs_s, mask=ms, other=0.0).to(tl.float32)
         dsc = tl.load(dhs_ptr + state_off + offs_s, mask=ms, other=0.0).to(tl.float32)
         do = tl.load(do_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
-        u = tl.load(us_ptr + offv, mask=mv2, other=0.0)
+        u = tl.load(us_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
         du = tl.load(dus_ptr + offv, mask=mv2, other=0.0)
         vv = tl.load(v_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
         dqg += tl.dot(do, tl.trans(s0))
@@ -785,11 +785,14 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
         _solve_kernel[(NC, H)](akk, tinv, cstart, cend, H, **LAUNCH["solve"])
         del akk
     # W, K e^{Γ_C − Γ}, Q e^Γ and the per-chunk states (and their gradients) are stored in the inputs' 16-bit dtype:
-    # half the bytes the loops read, 1.2-1.3x faster fwd+bwd (H200). U and P stay fp32: their rounding is what
-    # reaches the output (notes/kda_kernel_notes.md). The forward loop multiplies them on 16-bit tensor cores (on a
-    # GPU); every other dot widens its operands to fp32 (tf32).
+    # half the bytes the loops read, 1.2-1.3x faster fwd+bwd (H200). P stays fp32, and so does U (U0, overwritten
+    # with U by the loop) for the backward: their rounding is what reaches the output and gradients
+    # (notes/kda_kernel_notes.md). The output's own forward stores U in 16 bits: 4-5 % faster, o's error 2.9e-3 ->
+    # 3.6e-3 (fla-core: 4.1e-3; H200, 4x8K); in the backward they cost more than they saved. The forward loop
+    # multiplies on 16-bit tensor cores (on a GPU); every other dot widens its operands to fp32 (tf32).
     lp = dict(device=q.device, dtype=q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32)
-    w, u0, kd = torch.empty(TT, H, K, **lp), torch.empty(TT, H, V, **f32), torch.empty(TT, H, K, **lp)
+    w, kd = torch.empty(TT, H, K, **lp), torch.empty(TT, H, K, **lp)
+    u0 = torch.empty(TT, H, V, **(f32 if for_backward else lp))
     # Per-chunk states: kept when the backward needs them, or when they fit in what freeing Γ gives back (plus
     # STATES_LIMIT_BYTES); then O runs in a parallel kernel and the loop prefetches.
     keep_states = for_backward or NC * H * K * V * w.element_size() <= STATES_LIMIT_BYTES + gam.numel() * 4
