@@ -749,15 +749,18 @@ def _launch_cfg(K, V):
     return BK, BVf, min(BVf, 32)  # V split in 32-wide blocks: more programs for the sequential chunk loop
 
 
-def _sm_count(device):
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def _few_loop_programs(BV, N, H, V, device):
+    """Whether a chunk loop over (V/BV blocks, N sequences, H heads) leaves SMs of a GPU idle (few long sequences)."""
+    if device.type != "cuda":
+        return False
+    return triton.cdiv(V, BV) * N * H < torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _fwd_loop_bv(BV, N, H, V, device):
-    """V block of the forward chunk loop: BV, or 16 when BV-wide blocks leave SMs idle (few long sequences: twice
-    the programs, each with half the work per chunk; 16 is only the N dimension of its dots). 1x32K forward 2.89
-    -> 2.79 ms, 1M 88 -> 85 ms (H200, H=16)."""
-    return 16 if device.type == "cuda" and triton.cdiv(V, BV) * N * H < _sm_count(device) else BV
+    """V block of the forward chunk loop: BV, or 16 when BV-wide blocks leave SMs idle (twice the programs, each
+    with half the work per chunk; 16 is only the N dimension of its dots). 1x32K forward 2.89 -> 2.79 ms, 1M 88 ->
+    85 ms (H200, H=16)."""
+    return 16 if _few_loop_programs(BV, N, H, V, device) else BV
 
 
 def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state, for_backward=False,
@@ -797,12 +800,11 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     # STATES_LIMIT_BYTES); then O runs in a parallel kernel and the loop prefetches.
     keep_states = for_backward or NC * H * K * V * w.element_size() <= STATES_LIMIT_BYTES + gam.numel() * 4
     # Q e^Γ (times scale) for the backward and for the parallel O kernel (16 bits: a third of the bytes of Q and Γ)
-    store_qg = for_backward or keep_states
-    qg = torch.empty(TT, H, K, **lp) if store_qg else None
+    qg = torch.empty(TT, H, K, **lp) if keep_states else None
     dl = torch.empty(max(NC, 1), H, K, **f32)
     if NC > 0:
-        _wu_kernel[(NC, H)](q, k, v, beta, gam, tinv, w, u0, qg if store_qg else w, kd, dl, cstart, cend, scale,
-                            H, K, V, BK, BVf, STORE_QG=store_qg, **LAUNCH["wu"])
+        _wu_kernel[(NC, H)](q, k, v, beta, gam, tinv, w, u0, qg if keep_states else w, kd, dl, cstart, cend,
+                            scale, H, K, V, BK, BVf, STORE_QG=keep_states, **LAUNCH["wu"])
     out = dict(aqk=aqk, tinv=tinv, w=w, qg=qg, kd=kd, dl=dl)
     if not (for_backward or keep_prep):
         del out["tinv"], tinv
@@ -848,7 +850,7 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep=Non
         _bwd_du0_kernel[(NC * triton.cdiv(V, BVo), H)](fw["aqk"], do, dus, cstart, cend, H, V, BVo,
                                                       **LAUNCH["bwd_du0"])
     # the reverse loop keeps 32-wide V blocks: at 16 it was slower, and wrong at 8 warps in triton 3.6 (H200)
-    few = q.is_cuda and triton.cdiv(V, BV) * N * H < _sm_count(q.device)
+    few = _few_loop_programs(BV, N, H, V, q.device)
     launch = dict(LAUNCH["bwd_state_few" if few else "bwd_state"], **({"num_stages": 1} if BK > 128 else {}))
     _bwd_state_kernel[(triton.cdiv(V, BV), N, H)](
         fw["qg"], fw["kd"], fw["dl"], fw["w"], do, dht if dht is not None else dhs,

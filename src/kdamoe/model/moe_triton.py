@@ -66,16 +66,21 @@ def _situ_glu_bwd_kernel(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, M, N, stride_g, s
 SITU_LAUNCH = dict(block_n=256, elems=2048, num_warps=8)
 
 
-def _grid(M: int, N: int) -> tuple[tuple[int, int], int, int]:
-    block_n = min(SITU_LAUNCH["block_n"], triton.next_power_of_2(N))
-    block_m = max(1, SITU_LAUNCH["elems"] // block_n)
+def _tiles(M: int, N: int, max_block_n: int, elems: int) -> tuple[tuple[int, int], int, int]:
+    """Grid, rows and columns of `[M, N]` tiles of at most `max_block_n` columns and `elems` elements."""
+    block_n = min(max_block_n, triton.next_power_of_2(N))
+    block_m = max(1, elems // block_n)
     return (triton.cdiv(M, block_m), triton.cdiv(N, block_n)), block_m, block_n
+
+
+def _situ_tiles(M: int, N: int) -> tuple[tuple[int, int], int, int]:
+    return _tiles(M, N, SITU_LAUNCH["block_n"], SITU_LAUNCH["elems"])
 
 
 def situ_glu_fwd_triton(gate: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Write `situ_glu(gate, up)` into `out`; all three `[M, I]` with unit column stride."""
     M, N = gate.shape
-    grid, block_m, block_n = _grid(M, N)
+    grid, block_m, block_n = _situ_tiles(M, N)
     _situ_glu_fwd_kernel[grid](gate, up, out, M, N, gate.stride(0), up.stride(0), out.stride(0),
                                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=SITU_LAUNCH["num_warps"])
     return out
@@ -85,7 +90,7 @@ def situ_glu_bwd_triton(gate: torch.Tensor, up: torch.Tensor, grad_h: torch.Tens
                         grad_up: torch.Tensor) -> None:
     """Write the gradients of `situ_glu` w.r.t. gate and up into `grad_gate`, `grad_up` (all `[M, I]`)."""
     M, N = gate.shape
-    grid, block_m, block_n = _grid(M, N)
+    grid, block_m, block_n = _situ_tiles(M, N)
     _situ_glu_bwd_kernel[grid](gate, up, grad_h, grad_gate, grad_up, M, N, gate.stride(0), up.stride(0),
                                grad_h.stride(0), grad_gate.stride(0), grad_up.stride(0),
                                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=SITU_LAUNCH["num_warps"])
@@ -114,9 +119,8 @@ GATHER_LAUNCH = dict(block_d=512, elems=4096, num_warps=8)
 def gather_rows_triton(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """Write `out[p] = src[index[p]]` (`src [N, D]`, `out [M, D]` with unit column stride, `index [M]`)."""
     M, D = out.shape
-    block_d = min(GATHER_LAUNCH["block_d"], triton.next_power_of_2(D))
-    block_m = max(1, GATHER_LAUNCH["elems"] // block_d)
-    _gather_rows_kernel[(triton.cdiv(M, block_m), triton.cdiv(D, block_d))](
+    grid, block_m, block_d = _tiles(M, D, GATHER_LAUNCH["block_d"], GATHER_LAUNCH["elems"])
+    _gather_rows_kernel[grid](
         src, index, out, M, D, src.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_D=block_d,
         num_warps=GATHER_LAUNCH["num_warps"])
     return out
