@@ -1,13 +1,14 @@
 """Launch settings of the KDA Triton kernels (num_warps, num_stages, maxnreg), each kernel timed on its own.
 
-Round r sets every kernel of ``kda_triton.LAUNCH`` to its r-th candidate (on top of the current setting) and
+A round sets every kernel of ``kda_triton.LAUNCH`` to one candidate (on top of the current setting), and the
+forward's slice widths ``kda_triton.SLICE`` to one of ``--slices`` (JSON list of overrides; rounds are all pairs), and
 runs one bf16 forward+backward (H=16, head dim 128, bounded fused gate) under torch.profiler: each kernel's mean
 time over ``--iters`` runs, per size. Round 0 is the current table. The rounds compile first in parallel worker
 processes (triton's disk cache), then run one after another here. Every round's outputs and gradients are
 compared with round 0's (a launch setting must not change results beyond rounding order). Prints one table per
 kernel, the fastest setting marked, and writes JSON.
 
-    PYTHONPATH=src python benchmarks/tune_kda_kernels.py [--sizes 4x8192,1x32768]
+    PYTHONPATH=src python benchmarks/tune_kda_kernels.py [--sizes 4x8192,1x32768] [--slices '[{}, {"intra": 64}]']
 """
 
 import argparse
@@ -34,19 +35,24 @@ CANDIDATES = [
 SKIP = {"recurrent"}  # decode only
 NO_STAGES = {"fwd_state"}  # its num_stages is set by the launch
 CURRENT = {name: dict(cfg) for name, cfg in kda_triton.LAUNCH.items()}
+CURRENT_SLICE = dict(kda_triton.SLICE)
 
 
-def round_config(r):
+def round_config(cand):
     base = {name: dict(cfg) for name, cfg in CURRENT.items()}
     for name, cfg in base.items():
         if name not in SKIP:
-            cfg.update({k: v for k, v in CANDIDATES[r].items() if not (k == "num_stages" and name in NO_STAGES)})
+            cfg.update({k: v for k, v in cand.items() if not (k == "num_stages" and name in NO_STAGES)})
     return base
 
 
-def set_round(r):
+def set_round(rnd):
+    """rnd = (launch candidate, slice overrides)"""
+    cand, slices = rnd
     kda_triton.LAUNCH.clear()
-    kda_triton.LAUNCH.update(round_config(r))
+    kda_triton.LAUNCH.update(round_config(cand))
+    kda_triton.SLICE.clear()
+    kda_triton.SLICE.update(CURRENT_SLICE, **slices)
 
 
 def inputs(size):
@@ -67,8 +73,8 @@ def fwdbwd(x, do):
 
 
 def compile_round(args):
-    r, sizes = args
-    set_round(r)
+    r, rnd, sizes = args
+    set_round(rnd)
     try:
         for size in sizes:
             fwdbwd(*inputs(size))
@@ -98,29 +104,33 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="4x8192,1x32768")
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--jobs", type=int, default=len(CANDIDATES))
+    ap.add_argument("--slices", default="[{}]", help="JSON list of SLICE overrides")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count())
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tune_kda.json"))
     args = ap.parse_args()
     sizes = args.sizes.split(",")
-    with mp.get_context("spawn").Pool(args.jobs) as pool:
-        errors = dict(pool.map(compile_round, [(r, sizes) for r in range(len(CANDIDATES))]))
-    res = {"candidates": CANDIDATES, "current": CURRENT, "rounds": {}}
+    rounds = [(c, sl) for sl in json.loads(args.slices) for c in CANDIDATES]
+    labels = [f"{c or 'current'} {sl or ''}".strip() for c, sl in rounds]
+    with mp.get_context("spawn").Pool(min(args.jobs, len(rounds))) as pool:
+        errors = dict(pool.map(compile_round, [(r, rnd, sizes) for r, rnd in enumerate(rounds)]))
+    res = {"candidates": CANDIDATES, "current": CURRENT, "current_slice": CURRENT_SLICE, "rounds_labels": labels,
+           "rounds": {}}
     for size in sizes:
         x, do = inputs(size)
-        set_round(0)
+        set_round(rounds[0])
         ref = fwdbwd(x, do)
-        for r in range(len(CANDIDATES)):
+        for r, rnd in enumerate(rounds):
             if errors[r]:
-                print(f"round {r} {CANDIDATES[r]}: {errors[r]}")
+                print(f"round {r} {labels[r]}: {errors[r]}")
                 continue
-            set_round(r)
+            set_round(rnd)
             out = fwdbwd(x, do)
             diff = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(out, ref))
             res["rounds"][f"{size} {r}"] = dict(times=kernel_times(x, do, args.iters), diff_vs_round0=diff)
         for name in kda_triton.LAUNCH:
             if name in SKIP:
                 continue
-            rows = [(r, res["rounds"][f"{size} {r}"]["times"].get(name)) for r in range(len(CANDIDATES))
+            rows = [(r, res["rounds"][f"{size} {r}"]["times"].get(name)) for r in range(len(rounds))
                     if f"{size} {r}" in res["rounds"]]
             rows = [(r, t) for r, t in rows if t is not None]
             if not rows:
@@ -129,8 +139,8 @@ def main():
             print(f"\n{size} {name}")
             for r, t in rows:
                 d = res["rounds"][f"{size} {r}"]["diff_vs_round0"]
-                print(f"  {'*' if r == best else ' '} {t:8.3f} ms  diff {d:.1e}  {CANDIDATES[r] or 'current'}")
-    set_round(0)
+                print(f"  {'*' if r == best else ' '} {t:8.3f} ms  diff {d:.1e}  {labels[r]}")
+    set_round(rounds[0])
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
 

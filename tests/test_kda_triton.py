@@ -122,6 +122,20 @@ def test_forward_loop_with_16_wide_v_blocks(monkeypatch, keep_states):
 
 @kernel_test
 @pytest.mark.parametrize("gate", ["bounded", "softplus"])
+def test_head_dims_over_several_slices(gate):
+    """Head dims that ``_wu_kernel`` covers in several column slices, the last one part-masked (``SLICE``: K = 96
+    and V = 80 are two slices of 64 each), forward and gradients."""
+    xs = [x.clone().requires_grad_() for x in make_inputs(1, 70, 1, 96, 80, gate)]
+    h0 = torch.randn(1, 1, 96, 80, device=DEV, requires_grad=True)
+    o, ht = kda_triton.chunk_kda_triton(*xs, initial_state=h0, output_final_state=True, gate=gate)
+    rxs = [x.detach().double().requires_grad_() for x in xs + [h0]]
+    ro, rht = kda.naive_recurrent_kda(*rxs[:5], initial_state=rxs[5], output_final_state=True)
+    assert rel(o, ro) < TOL and rel(ht, rht) < TOL
+    assert_gradients_match((o, ht), (ro, rht), xs + [h0], rxs, GRAD_TOL)
+
+
+@kernel_test
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
 def test_backward_matches_oracle(gate):
     inputs = make_inputs(1, 100, 2, 16, 32, gate) + [torch.randn(1, 2, 16, 32, device=DEV)]
     xs = [x.clone().requires_grad_() for x in inputs]

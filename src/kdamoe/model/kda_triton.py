@@ -44,7 +44,7 @@ LAUNCH = {
     "gate_cumsum": dict(num_warps=4),
     "intra": dict(num_warps=4),
     "solve": dict(num_warps=2),
-    "wu": dict(num_warps=8, maxnreg=128),
+    "wu": dict(num_warps=4, num_stages=2),
     "fwd_state": dict(num_warps=4),
     "fwd_state_o": dict(num_warps=8),  # the loop writing O (no per-chunk states kept: a 1M-token forward)
     "fwd_o": dict(num_warps=2),
@@ -57,6 +57,10 @@ LAUNCH = {
     "bwd_dg": dict(num_warps=4),
     "recurrent": dict(num_warps=4),
 }
+# Column slices of `_wu_kernel` (head dim, V): whole [64, 128] fp32 tiles spilled at sm_90; with 64-wide slices at
+# 4 warps and 2 stages it takes 0.45 instead of 0.51 ms per call (H200, 4x8K). The same in intra and the O kernel
+# was slower (tune_kda_h200_s7.json).
+SLICE = {"wu_k": 64, "wu_v": 64}
 
 
 # --------------------------------------------------------------------------------------------------- forward
@@ -229,16 +233,13 @@ def _wu_kernel(q_ptr, k_ptr, v_ptr, b_ptr, gam_ptr, tinv_ptr, w_ptr, u_ptr, qg_p
                cend_ptr, scale, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                STORE_QG: tl.constexpr):
     """``W = T (β K e^Γ)``, ``U0 = T (β V)``, and for the chunk loops ``K e^{Γ_C − Γ}``, ``e^{Γ_C}`` and (STORE_QG,
-    for the backward) ``scale Q e^Γ``."""
+    for the backward) ``scale Q e^Γ``; the columns in slices of BK (K) and BV (V), T kept in registers."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.load(cstart_ptr + c).to(tl.int64)
     e = tl.load(cend_ptr + c).to(tl.int64)
     r = tl.arange(0, 64)
     rv = r < e - s
-    ck = tl.arange(0, BK)
-    mk = ck < K
-    m2 = rv[:, None] & mk[None, :]
     base = s * (H * K) + h * K
     q_ptr += base
     k_ptr += base
@@ -246,20 +247,24 @@ def _wu_kernel(q_ptr, k_ptr, v_ptr, b_ptr, gam_ptr, tinv_ptr, w_ptr, u_ptr, qg_p
     w_ptr += base
     qg_ptr += base
     kd_ptr += base
-    offk = r[:, None] * (H * K) + ck[None, :]
     tinv = tl.load(tinv_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None], other=0.0)
     beta = tl.load(b_ptr + s * H + r * H + h, mask=rv, other=0.0).to(tl.float32)
-    gam = tl.load(gam_ptr + offk, mask=m2, other=0.0)
-    glast = tl.load(gam_ptr + (e - 1 - s) * (H * K) + ck, mask=mk, other=0.0)
-    kk = tl.load(k_ptr + offk, mask=m2, other=0.0).to(tl.float32)
-    tl.store(kd_ptr + offk, (kk * tl.exp(glast[None, :] - gam)).to(kd_ptr.dtype.element_ty), mask=m2)
-    eg = tl.exp(gam)
-    tl.store(w_ptr + offk, tl.dot(tinv, kk * eg * beta[:, None]).to(w_ptr.dtype.element_ty), mask=m2)
-    if STORE_QG:
-        qq = tl.load(q_ptr + offk, mask=m2, other=0.0).to(tl.float32)
-        tl.store(qg_ptr + offk, (qq * eg * scale).to(qg_ptr.dtype.element_ty), mask=m2)
-    tl.store(dl_ptr + (c * H + h).to(tl.int64) * K + ck, tl.exp(glast), mask=mk)
-    for iv in tl.static_range(0, V, BV):
+    for k0 in range(0, K, BK):
+        ck = k0 + tl.arange(0, BK)
+        mk = ck < K
+        m2 = rv[:, None] & mk[None, :]
+        offk = r[:, None] * (H * K) + ck[None, :]
+        gam = tl.load(gam_ptr + offk, mask=m2, other=0.0)
+        glast = tl.load(gam_ptr + (e - 1 - s) * (H * K) + ck, mask=mk, other=0.0)
+        kk = tl.load(k_ptr + offk, mask=m2, other=0.0).to(tl.float32)
+        tl.store(kd_ptr + offk, (kk * tl.exp(glast[None, :] - gam)).to(kd_ptr.dtype.element_ty), mask=m2)
+        eg = tl.exp(gam)
+        tl.store(w_ptr + offk, tl.dot(tinv, kk * eg * beta[:, None]).to(w_ptr.dtype.element_ty), mask=m2)
+        if STORE_QG:
+            qq = tl.load(q_ptr + offk, mask=m2, other=0.0).to(tl.float32)
+            tl.store(qg_ptr + offk, (qq * eg * scale).to(qg_ptr.dtype.element_ty), mask=m2)
+        tl.store(dl_ptr + (c * H + h).to(tl.int64) * K + ck, tl.exp(glast), mask=mk)
+    for iv in range(0, V, BV):
         cv = iv + tl.arange(0, BV)
         offv = s * (H * V) + h * V + r[:, None] * (H * V) + cv[None, :]
         mv2 = rv[:, None] & (cv < V)[None, :]
@@ -804,7 +809,8 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     dl = torch.empty(max(NC, 1), H, K, **f32)
     if NC > 0:
         _wu_kernel[(NC, H)](q, k, v, beta, gam, tinv, w, u0, qg if keep_states else w, kd, dl, cstart, cend,
-                            scale, H, K, V, BK, BVf, STORE_QG=keep_states, **LAUNCH["wu"])
+                            scale, H, K, V, min(BK, SLICE["wu_k"]), min(BVf, SLICE["wu_v"]), STORE_QG=keep_states,
+                            **LAUNCH["wu"])
     out = dict(aqk=aqk, tinv=tinv, w=w, qg=qg, kd=kd, dl=dl)
     if not (for_backward or keep_prep):
         del out["tinv"], tinv
