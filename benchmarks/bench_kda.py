@@ -92,8 +92,7 @@ def rel(a, b):
 
 
 def check(fn, gate, T=4096, backward=True):
-    x = make(1, T, seed=1)
-    x = {n: t[:, :, :4] if t.dim() >= 3 else (t[:4] if n == "A_log" else t[: 4 * D]) for n, t in x.items()}
+    x = make(1, T, seed=1)  # all H heads: fla-core's autotuning keys on H, so its tuned entries serve the timings
     ro, rx = reference(x, gate)
     leaves = {n: x[n].clone().requires_grad_(backward) for n in ("q", "k", "v", "g", "beta")}
     o = fn({**x, **leaves}, gate)
