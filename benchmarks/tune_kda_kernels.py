@@ -1,14 +1,15 @@
 """Launch settings of the KDA Triton kernels (num_warps, num_stages, maxnreg), each kernel timed on its own.
 
-A round sets every kernel of ``kda_triton.LAUNCH`` to one candidate (on top of the current setting), and the
-forward's slice widths ``kda_triton.SLICE`` to one of ``--slices`` (JSON list of overrides; rounds are all pairs), and
-runs one bf16 forward+backward (H=16, head dim 128, bounded fused gate) under torch.profiler: each kernel's mean
-time over ``--iters`` runs, per size. Round 0 is the current table. The rounds compile first in parallel worker
-processes (triton's disk cache), then run one after another here. Every round's outputs and gradients are
-compared with round 0's (a launch setting must not change results beyond rounding order). Prints one table per
-kernel, the fastest setting marked, and writes JSON.
+A round sets every kernel of ``kda_triton.LAUNCH`` to one candidate (on top of the current setting) and the
+column-slice widths ``kda_triton.SLICE`` to one of ``--slices`` (a JSON list of overrides; the rounds are all
+pairs), and runs one bf16 forward+backward (H=16, head dim 128, bounded fused gate) under torch.profiler: each
+kernel's mean time over ``--iters`` runs, per size. Round 0 is the current table. The rounds compile first in
+parallel worker processes (triton's disk cache), then run one after another here. Every round's outputs and
+gradients are compared with round 0's (a launch setting must not change results beyond rounding order). Prints one
+table per kernel, the fastest setting marked, and writes JSON.
 
-    PYTHONPATH=src python benchmarks/tune_kda_kernels.py [--sizes 4x8192,1x32768] [--slices '[{}, {"intra": 64}]']
+    PYTHONPATH=src python benchmarks/tune_kda_kernels.py [--sizes 4x8192,1x32768] \
+        [--slices '[{}, {"wu_k": 32, "wu_v": 32}]']
 """
 
 import argparse
@@ -109,7 +110,11 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tune_kda.json"))
     args = ap.parse_args()
     sizes = args.sizes.split(",")
-    rounds = [(c, sl) for sl in json.loads(args.slices) for c in CANDIDATES]
+    slices = json.loads(args.slices)
+    unknown = {k for sl in slices for k in sl} - set(CURRENT_SLICE)
+    if unknown:
+        ap.error(f"--slices: unknown keys {sorted(unknown)} (kda_triton.SLICE has {sorted(CURRENT_SLICE)})")
+    rounds = [(c, sl) for sl in slices for c in CANDIDATES]
     labels = [f"{c or 'current'} {sl or ''}".strip() for c, sl in rounds]
     with mp.get_context("spawn").Pool(min(args.jobs, len(rounds))) as pool:
         errors = dict(pool.map(compile_round, [(r, rnd, sizes) for r, rnd in enumerate(rounds)]))
