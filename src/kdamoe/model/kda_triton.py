@@ -19,9 +19,9 @@ softplus gate) the diagonal sub-blocks are computed pair by pair with masked exp
 
 Forward kernels: ``_gate_cumsum`` (fused gate, Γ), ``_intra`` (A_kk, A_qk per 16-row block), ``_solve`` (T by
 16 x 16 blocks), ``_wu`` (W, U0 and the loop's operands), ``_fwd_state`` (per sequence, head and V block: the
-sequential chunk loop) and ``_fwd_o`` (O per chunk, in parallel, from the stored states). Backward: the gate, W /
-U0 and the chunk loop are recomputed (the autograd forward keeps only the inputs, A_qk and T: memory linear in
-T), then ``_bwd_du0`` (Pᵀ dO), ``_bwd_state`` (the reverse loop carrying dS), ``_bwd_v`` (sums over V),
+sequential chunk loop) and ``_fwd_o`` (O per chunk, in parallel, from the stored states). Backward: W / U0 and the
+chunk loop are recomputed (the autograd forward keeps only the inputs, A_qk, T and Γ — as fla-core's, which keeps
+Γ, A_qk and A_kk⁻¹: memory linear in T), then ``_bwd_du0`` (Pᵀ dO), ``_bwd_state`` (the reverse loop carrying dS), ``_bwd_v`` (sums over V),
 ``_bwd_dense`` (dA and the dense parts of dq, dk, dΓ), ``_bwd_pair`` (pairwise terms per 16-row block) and
 ``_bwd_dg`` (suffix sums of dΓ and the gate's chain rule). Launch settings per kernel: ``LAUNCH``. The q/k L2 norm
 runs in torch before the kernels.
@@ -774,8 +774,9 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
              keep_prep=False, prep=None):
     """Run the forward kernels on flat ``[TT, H, *]`` tensors; ``gate = (mode, exp(A_log) [H], dt_bias [H*K],
     lower_bound)`` (mode 0: ``g`` is the log-decay; 1 bounded / 2 softplus: ``g`` is the raw gate input).
-    ``keep_prep``: also return ``T = (I + A_kk)⁻¹`` (for the autograd forward: its backward then passes
-    ``prep = (A_qk, T)`` back and skips their recomputation). Returns a dict of outputs and intermediates."""
+    ``keep_prep``: also return ``T = (I + A_kk)⁻¹`` and Γ (for the autograd forward: its backward then passes
+    ``prep = (A_qk, T, Γ)`` back and skips the gate, intra and solve kernels). Returns a dict of outputs and
+    intermediates."""
     TT, H, K = q.shape
     V = v.shape[-1]
     cu, coff, cstart, cend, NC = tables
@@ -784,11 +785,13 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     f32 = dict(device=q.device, dtype=torch.float32)
     mode, a, dtb, lb = gate
     # allocated in order of use and freed early: a 1M-token forward keeps only what the chunk loop reads
-    gam = torch.empty(TT, H, K, **f32)
-    aqk, tinv = prep if prep is not None else (torch.empty(TT, H, 64, **f32), torch.empty(TT, H, 64, **f32))
-    if NC > 0:
-        _gate_cumsum_kernel[(NC, H)](g, a, dtb, gam, cstart, cend, lb, H, K, BK, GATE=mode, **LAUNCH["gate_cumsum"])
+    if prep is not None:
+        aqk, tinv, gam = prep
+    else:
+        gam = torch.empty(TT, H, K, **f32)
+        aqk, tinv = torch.empty(TT, H, 64, **f32), torch.empty(TT, H, 64, **f32)
     if NC > 0 and prep is None:
+        _gate_cumsum_kernel[(NC, H)](g, a, dtb, gam, cstart, cend, lb, H, K, BK, GATE=mode, **LAUNCH["gate_cumsum"])
         akk = torch.empty(TT, H, 64, **f32)
         _intra_kernel[(NC * 4, H)](q, k, gam, beta, akk, aqk, cstart, cend, scale, H, K, BK, SAFE=safe,
                                   **LAUNCH["intra"])
@@ -816,7 +819,7 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     out = dict(aqk=aqk, tinv=tinv, w=w, qg=qg, kd=kd, dl=dl)
     if not (for_backward or keep_prep):
         del out["tinv"], tinv
-    if for_backward:
+    if for_backward or keep_prep:
         out["gam"] = gam
     elif keep_states:
         gam = None  # read again only by a loop that writes O: its bytes go to the per-chunk states
@@ -906,15 +909,16 @@ class _ChunkKDAFunction(torch.autograd.Function):
         h0c = None if h0 is None else h0.contiguous()
         fw = _forward(*flat, bflat, _gate_args(mode, A_log, dt_bias, lb, H, K, q.device), scale, h0c, tables, safe,
                       output_final_state, keep_prep=grad)
-        # A_qk and T (fp32, [B*T, H, 64] each) are kept for the backward: it skips the intra and solve kernels
-        prep = (fw["aqk"], fw["tinv"]) if grad else (None, None)
+        # A_qk, T (fp32, [B*T, H, 64] each) and Γ (fp32, like g) are kept for the backward: it skips the gate, intra
+        # and solve kernels
+        prep = (fw["aqk"], fw["tinv"], fw["gam"]) if grad else (None, None, None)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, *prep)
         ctx.tables, ctx.scale, ctx.safe, ctx.mode, ctx.lb = tables, scale, safe, mode, lb
         return fw["o"].reshape(B, T, H, V), fw["ht"]
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, A_log, dt_bias, h0, aqk, tinv = ctx.saved_tensors
+        q, k, v, g, beta, A_log, dt_bias, h0, *prep = ctx.saved_tensors
         B, T, H, K = q.shape
         V = v.shape[-1]
         flat = [x.contiguous().reshape(B * T, H, -1) for x in (q, k, v, g)]
@@ -925,7 +929,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
         h0c = None if h0 is None else h0.float().contiguous()
         gate = _gate_args(ctx.mode, A_log, dt_bias, ctx.lb, H, K, q.device)
         dq, dk, dv, dg, db, dh0, dgate = _backward(*flat, bflat, gate, ctx.scale, h0c, ctx.tables, ctx.safe,
-                                                   do.reshape(B * T, H, V), dht, prep=(aqk, tinv))
+                                                   do.reshape(B * T, H, V), dht, prep=tuple(prep))
         dA_log = ddt_bias = None
         if A_log is not None:  # the gate's chain rule ran in the last backward kernel
             dA_log = dgate[0].reshape(A_log.shape).to(A_log.dtype)
