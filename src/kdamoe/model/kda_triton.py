@@ -17,14 +17,14 @@ included, is one dense ``tl.dot``. Exponents of later (non-causal) columns are m
 so nothing overflows and future tokens never reach earlier outputs. With ``safe=True`` (the unbounded
 softplus gate) the diagonal sub-blocks are computed pair by pair with masked exponents ``<= 0``.
 
-Forward kernels: ``_gate_cumsum`` (fused gate, Γ), ``_intra`` (A_kk, A_qk per 16-row block), ``_solve`` (T by
-16 x 16 blocks), ``_wu`` (W, U0 and the loop's operands), ``_fwd_state`` (per sequence, head and V block: the
-sequential chunk loop) and ``_fwd_o`` (O per chunk, in parallel, from the stored states). Backward: W / U0 and the
-chunk loop are recomputed (the autograd forward keeps only the inputs, A_qk, T and Γ — as fla-core's, which keeps
-Γ, A_qk and A_kk⁻¹: memory linear in T), then ``_bwd_du0`` (Pᵀ dO), ``_bwd_state`` (the reverse loop carrying dS), ``_bwd_v`` (sums over V),
-``_bwd_dense`` (dA and the dense parts of dq, dk, dΓ), ``_bwd_pair`` (pairwise terms per 16-row block) and
-``_bwd_dg`` (suffix sums of dΓ and the gate's chain rule). Launch settings per kernel: ``LAUNCH``. The q/k L2 norm
-runs in torch before the kernels.
+Forward kernels: ``_gate_cumsum`` (fused gate, Γ), ``_intra`` (A_kk, A_qk per 16-row block), ``_solve`` (T by 16×16
+blocks), ``_wu`` (W, U0 and the loop's operands), ``_fwd_state`` (per sequence, head and V block: the sequential
+chunk loop) and ``_fwd_o`` (O per chunk, in parallel, from the stored states). Backward: W / U0 and the chunk loop
+are recomputed (the autograd forward keeps only the inputs, A_qk, T and Γ — as fla-core's, which keeps Γ, A_qk and
+A_kk⁻¹: memory linear in T), then ``_bwd_du0`` (Pᵀ dO), ``_bwd_state`` (the reverse loop carrying dS), ``_bwd_v``
+(sums over V), ``_bwd_dense`` (dA and the dense parts of dq, dk, dΓ), ``_bwd_pair`` (pairwise terms per 16-row
+block) and ``_bwd_dg`` (suffix sums of dΓ and the gate's chain rule). Launch settings per kernel: ``LAUNCH``. The
+q/k L2 norm runs in torch before the kernels.
 """
 
 import torch
