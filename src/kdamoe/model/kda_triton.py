@@ -35,8 +35,8 @@ CHUNK = 64
 GATES = ("bounded", "softplus")
 L2NORM_EPS = 1e-6
 # The forward keeps per-chunk states (then O runs in a parallel kernel: faster) when they take at most this many
-# bytes more than the fp32 Γ that it frees before allocating them (head dim 128: the same bytes); else (V > K at
-# very long T) the chunk loop writes O itself and keeps none.
+# bytes more than the fp32 Γ (head dim 128: the same bytes; the output-only forward frees Γ before allocating them,
+# the autograd forward keeps it for the backward); else (V > K at very long T) the chunk loop writes O itself.
 STATES_LIMIT_BYTES = 4 << 30
 # Launch settings per kernel on CUDA (the CPU interpreter ignores them), as timed on an H200 by
 # benchmarks/tune_kda_kernels.py; the forward loop takes 2 pipeline stages where shared memory allows (BK <= 128).
@@ -806,8 +806,8 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     lp = dict(device=q.device, dtype=q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32)
     w, kd = torch.empty(TT, H, K, **lp), torch.empty(TT, H, K, **lp)
     u0 = torch.empty(TT, H, V, **(f32 if for_backward else lp))
-    # Per-chunk states: kept when the backward needs them, or when they fit in what freeing Γ gives back (plus
-    # STATES_LIMIT_BYTES); then O runs in a parallel kernel and the loop prefetches.
+    # Per-chunk states: kept when the backward needs them, or when they take at most Γ's bytes plus
+    # STATES_LIMIT_BYTES; then O runs in a parallel kernel and the loop prefetches.
     keep_states = for_backward or NC * H * K * V * w.element_size() <= STATES_LIMIT_BYTES + gam.numel() * 4
     # Q e^Γ (times scale) for the backward and for the parallel O kernel (16 bits: a third of the bytes of Q and Γ)
     qg = torch.empty(TT, H, K, **lp) if keep_states else None
