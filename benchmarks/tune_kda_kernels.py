@@ -29,6 +29,8 @@ CANDIDATES = [
     dict(num_warps=8),
     dict(num_warps=4, num_stages=2),
     dict(num_warps=8, num_stages=2),
+    dict(num_warps=4, num_stages=1),
+    dict(num_warps=8, num_stages=1),
     dict(num_warps=8, maxnreg=128),
     dict(num_warps=4, maxnreg=128),
     dict(num_warps=2),

@@ -44,7 +44,7 @@ LAUNCH = {
     "gate_cumsum": dict(num_warps=4),
     "intra": dict(num_warps=4),
     "solve": dict(num_warps=2),
-    "wu": dict(num_warps=4, num_stages=2),
+    "wu": dict(num_warps=4, num_stages=1),
     "fwd_state": dict(num_warps=4),
     "fwd_state_o": dict(num_warps=8),  # the loop writing O (no per-chunk states kept: a 1M-token forward)
     "fwd_o": dict(num_warps=2),
@@ -58,8 +58,8 @@ LAUNCH = {
     "recurrent": dict(num_warps=4),
 }
 # Column slices of `_wu_kernel` (head dim, V): whole [64, 128] fp32 tiles spilled at sm_90; with 64-wide slices at
-# 4 warps and 2 stages it takes 0.45 instead of 0.51 ms per call (H200, 4x8K). The same in intra and the O kernel
-# was slower (tune_kda_h200_s7.json).
+# 4 warps it takes 0.45 instead of 0.51 ms per call (H200, 4x8K), 0.43 with one pipeline stage instead of two
+# (tune_kda_h200_s8.json). The same slices in intra and the O kernel were slower (tune_kda_h200_s7.json).
 SLICE = {"wu_k": 64, "wu_v": 64}
 
 
