@@ -22,9 +22,9 @@ blocks), ``_wu`` (W, U0 and the loop's operands), ``_fwd_state`` (per sequence, 
 chunk loop) and ``_fwd_o`` (O per chunk, in parallel, from the stored states). Backward: W / U0 and the chunk loop
 are recomputed (the autograd forward keeps only the inputs, A_qk, T and Γ — as fla-core's, which keeps Γ, A_qk and
 A_kk⁻¹: memory linear in T), then ``_bwd_du0`` (Pᵀ dO), ``_bwd_state`` (the reverse loop carrying dS), ``_bwd_v``
-(sums over V), ``_bwd_dense`` (dA and the dense parts of dq, dk, dΓ), ``_bwd_pair`` (pairwise terms per 16-row
-block) and ``_bwd_dg`` (suffix sums of dΓ and the gate's chain rule). Launch settings per kernel: ``LAUNCH``. The
-q/k L2 norm runs in torch before the kernels.
+(sums over V), ``_bwd_da`` (dA = −Tᵀ dT Tᵀ), ``_bwd_intra`` (dq, dk, dβ and dΓ per 16-row block: dense and
+pairwise terms) and ``_bwd_dg`` (suffix sums of dΓ and the gate's chain rule). Launch settings per kernel:
+``LAUNCH``. The q/k L2 norm runs in torch before the kernels.
 """
 
 import torch
@@ -52,15 +52,16 @@ LAUNCH = {
     "bwd_state": dict(num_warps=4, num_stages=1),
     "bwd_state_few": dict(num_warps=8, num_stages=2),  # fewer programs than SMs (one long sequence): prefetch
     "bwd_v": dict(num_warps=8, num_stages=1),
-    "bwd_dense": dict(num_warps=4, num_stages=1),
-    "bwd_pair": dict(num_warps=4),
+    "bwd_da": dict(num_warps=4, num_stages=2),
+    "bwd_intra": dict(num_warps=4, num_stages=2),
     "bwd_dg": dict(num_warps=4),
     "recurrent": dict(num_warps=4),
 }
 # Column slices of `_wu_kernel` (head dim, V): whole [64, 128] fp32 tiles spilled at sm_90; with 64-wide slices at
 # 4 warps it takes 0.45 instead of 0.51 ms per call (H200, 4x8K), 0.43 with one pipeline stage instead of two
 # (tune_kda_h200_s8.json). The same slices in intra and the O kernel were slower (tune_kda_h200_s7.json).
-SLICE = {"wu_k": 64, "wu_v": 64}
+# `_bwd_intra_kernel` in 64-wide slices at 2 stages: 3.38 ms at 4x8K, 3.94 in 32-wide ones.
+SLICE = {"wu_k": 64, "wu_v": 64, "bwd_intra_k": 64}
 
 
 # --------------------------------------------------------------------------------------------------- forward
@@ -440,7 +441,7 @@ def _bwd_du0_kernel(aqk_ptr, do_ptr, dus_ptr, cstart_ptr, cend_ptr, H, V: tl.con
 
 @triton.jit
 def _bwd_v_kernel(v_ptr, b_ptr, tinv_ptr, hs_ptr, dhs_ptr, us_ptr, dus_ptr, do_ptr, dv_ptr, dqg_ptr, dkd_ptr, dw_ptr,
-                  dt_ptr, dp_ptr, db_ptr, dgc_ptr, cstart_ptr, cend_ptr, scale, H, K: tl.constexpr, V: tl.constexpr,
+                  dp_ptr, dt_ptr, db_ptr, dgc_ptr, cstart_ptr, cend_ptr, scale, H, K: tl.constexpr, V: tl.constexpr,
                   BK: tl.constexpr, BV: tl.constexpr):
     """Per chunk, the sums over V: ``dQg = dO S0ᵀ``, ``dKd = U dS_Cᵀ``, ``dW = −dU S0ᵀ``, ``dP = dO Uᵀ`` (times
     scale, lower), ``dT = dU (β V)ᵀ``, ``dv = β Tᵀ dU`` (final), ``dβ = Σ V Tᵀ dU`` and ``Σ_v S0 dS_C``."""
@@ -489,20 +490,18 @@ def _bwd_v_kernel(v_ptr, b_ptr, tinv_ptr, hs_ptr, dhs_ptr, us_ptr, dus_ptr, do_p
         dgc += tl.sum(s0 * dsc, axis=1)
     tl.store(dqg_ptr + offk, dqg, mask=m2)
     tl.store(dkd_ptr + offk, dkd, mask=m2)
-    tl.store(dw_ptr + offk, dw, mask=m2)
-    tl.store(dt_ptr + off64, dt, mask=rv[:, None])
     tl.store(dp_ptr + off64, tl.where(r[:, None] >= r[None, :], dp, 0.0) * scale, mask=rv[:, None])
     tl.store(db_ptr + s * H + r * H + h, dbeta, mask=rv)
     tl.store(dgc_ptr + (c * H + h).to(tl.int64) * K + ck, dgc, mask=mk)
+    tl.store(dw_ptr + offk, dw, mask=m2)
+    tl.store(dt_ptr + off64, dt, mask=rv[:, None])
 
 
 @triton.jit
-def _bwd_dense_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, tinv_ptr, dqg_ptr, dkd_ptr, dw_ptr, dt_ptr, dp_ptr, dgc_ptr,
-                      dq_ptr, dk_ptr, dgam_ptr, dge_ptr, db_ptr, da_ptr, cstart_ptr, cend_ptr, scale, H,
-                      K: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr):
-    """Per chunk, from the sums of ``_bwd_v_kernel``: fp32 partials of dq, dk, dβ (in place), dΓ, the prefix
-    terms of dg (``dge``), ``dA = −Tᵀ dT Tᵀ`` (strictly lower) and dP with its diagonal taken out. Columns of the
-    head dim are independent here, so they go in slices of KB (fewer live registers)."""
+def _bwd_da_kernel(k_ptr, b_ptr, gam_ptr, tinv_ptr, dw_ptr, da_ptr, cstart_ptr, cend_ptr, H, K: tl.constexpr,
+                   BK: tl.constexpr, KB: tl.constexpr):
+    """``dT += dW (β K e^Γ)ᵀ``, then ``dA = −Tᵀ dT Tᵀ`` (strictly lower), in place of dT: the one chunk-wide
+    reduction (over the head dim) that the per-row kernel ``_bwd_intra_kernel`` needs."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.load(cstart_ptr + c).to(tl.int64)
@@ -510,66 +509,33 @@ def _bwd_dense_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, tinv_ptr, dqg_ptr, dkd_ptr, 
     r = tl.arange(0, 64)
     rv = r < e - s
     off64 = s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :]
-    # The diagonal of dP adds dP_ii (q_i k_iᵀ-terms) to dq and dk but exactly nothing to dΓ; kept out of the
-    # pairwise terms so dΓ does not carry its rounding (it dominates dg when the decay is strong).
-    dp = tl.load(dp_ptr + off64, mask=rv[:, None], other=0.0)
-    dp_diag = tl.sum(tl.where(r[:, None] == r[None, :], dp, 0.0), axis=1)
-    tl.store(dp_ptr + off64, tl.where(r[:, None] > r[None, :], dp, 0.0), mask=rv[:, None])
     beta = tl.load(b_ptr + s * H + r * H + h, mask=rv, other=0.0).to(tl.float32)
-    tinv = tl.load(tinv_ptr + off64, mask=rv[:, None], other=0.0)
-    dt = tl.load(dt_ptr + off64, mask=rv[:, None], other=0.0)
-    dbeta = tl.load(db_ptr + s * H + r * H + h, mask=rv, other=0.0)
-    rp = rv & (r >= 1)  # rows with a previous row in the chunk
+    dt = tl.load(da_ptr + off64, mask=rv[:, None], other=0.0)
     for kh in range(0, BK, KB):
         ck = kh + tl.arange(0, KB)
-        mk = ck < K
-        m2 = rv[:, None] & mk[None, :]
+        m2 = rv[:, None] & (ck < K)[None, :]
         offk = s * (H * K) + h * K + r[:, None] * (H * K) + ck[None, :]
-        glast = tl.load(gam_ptr + s * (H * K) + h * K + (e - 1 - s) * (H * K) + ck, mask=mk, other=0.0)
-        gam = tl.where(rv[:, None], tl.load(gam_ptr + offk, mask=m2, other=0.0), glast[None, :])
-        kk = tl.load(k_ptr + offk, mask=m2, other=0.0).to(tl.float32)
-        # The Γ_C − Γ_t terms (K e^{Γ_C − Γ}) and Γ_C (e^{Γ_C} S0) add Σ_{t<s} Kd_t dKd_t + e^{Γ_C} Σ_v S0 dS_C
-        # to dg_s: an exclusive prefix sum (of the previous rows, loaded again), no large term added and taken
-        # away again.
-        ed = tl.exp(glast[None, :] - gam)
-        dkd = tl.load(dkd_ptr + offk, mask=m2, other=0.0)
-        dgc = tl.load(dgc_ptr + (c * H + h).to(tl.int64) * K + ck, mask=mk, other=0.0)
-        mp = rp[:, None] & mk[None, :]
-        offp = offk - H * K
-        dge = tl.cumsum(tl.load(k_ptr + offp, mask=mp, other=0.0).to(tl.float32) * tl.load(dkd_ptr + offp, mask=mp,
-                        other=0.0) * tl.exp(tl.where(mp, glast[None, :] - tl.load(gam_ptr + offp, mask=mp, other=0.0),
-                                                     0.0)), axis=0)
-        tl.store(dge_ptr + offk, dge + (tl.exp(glast) * dgc)[None, :], mask=m2)
-        dk = dkd * ed
-        eg = tl.exp(gam)
-        kg = kk * eg
-        dw = tl.load(dw_ptr + offk, mask=m2, other=0.0)
-        tdw = tl.dot(tl.trans(tinv), dw)
-        dt += tl.dot(dw, tl.trans(kg * beta[:, None]))
-        dkg = tdw * beta[:, None]
-        dbeta += tl.sum(kg * tdw, axis=1)
-        dk += dkg * eg
-        dgam = kg * dkg
-        qq = tl.load(q_ptr + offk, mask=m2, other=0.0).to(tl.float32)
-        dq = tl.load(dqg_ptr + offk, mask=m2, other=0.0) * eg * scale
-        tl.store(dgam_ptr + offk, dgam + qq * dq, mask=m2)
-        tl.store(dq_ptr + offk, dq + dp_diag[:, None] * kk, mask=m2)
-        tl.store(dk_ptr + offk, dk + dp_diag[:, None] * qq, mask=m2)
+        kgb = tl.load(k_ptr + offk, mask=m2, other=0.0).to(tl.float32) * tl.exp(
+            tl.load(gam_ptr + offk, mask=m2, other=0.0)) * beta[:, None]
+        dt += tl.dot(tl.load(dw_ptr + offk, mask=m2, other=0.0), tl.trans(kgb))
+    tinv = tl.load(tinv_ptr + off64, mask=rv[:, None], other=0.0)
     da = -tl.dot(tl.trans(tinv), tl.dot(dt, tl.trans(tinv)))
     tl.store(da_ptr + off64, tl.where(r[:, None] > r[None, :], da, 0.0), mask=rv[:, None])
-    tl.store(db_ptr + s * H + r * H + h, dbeta, mask=rv)
 
 
 @triton.jit
-def _bwd_pair_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, dp_ptr, da_ptr, dq32_ptr, dk32_ptr, dgam_ptr, db32_ptr,
-                     dq_ptr, dk_ptr, db_ptr, cstart_ptr, cend_ptr, H, K: tl.constexpr, BK: tl.constexpr,
-                     KS: tl.constexpr, SAFE: tl.constexpr):
-    """The pairwise terms of rows ``16 I .. 16 I + 15`` of a chunk, added to the partials of ``_bwd_dense_kernel``:
-    row side ``X_i = Σ_{j<i} d[i, j] k_j e^{Γ_i − Γ_j}`` and column side ``Y_j = Σ_{i>j} d[i, j] x_i e^{Γ_i − Γ_j}``
-    for ``d`` = dP, dA. Dense: one dot each, anchored at the block's first row ``a`` (no later token can move
-    the rounding); SAFE: other blocks anchored at the block's first (row side) or last (column side) row, the
-    diagonal block pair by pair. Head dim in slices of KS (fewer live registers). Writes dq, dk, dβ (final) and dΓ
-    (in place, for ``_bwd_dg_kernel``)."""
+def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, tinv_ptr, dqg_ptr, dkd_ptr, dw_ptr, dp_ptr, da_ptr, dgc_ptr,
+                      dgam_ptr, dge_ptr, db32_ptr, dq_ptr, dk_ptr, db_ptr, cstart_ptr, cend_ptr, scale, H,
+                      K: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, SAFE: tl.constexpr):
+    """dq, dk, dβ (final) and dΓ with the prefix terms of dg, of rows ``16 I .. 16 I + 15`` of a chunk, from the
+    sums of ``_bwd_v_kernel``. Dense terms, row by row: ``dq = scale dQg e^Γ``, ``dk = dKd e^{Γ_C − Γ} + β (Tᵀ
+    dW) e^Γ``, dP's diagonal (kept out of the pairwise terms: it adds exactly 0 to dΓ, and its rounding would
+    dominate dg under strong decay). Pairwise terms: row side ``X_i = Σ_{j<i} d[i, j] k_j e^{Γ_i − Γ_j}`` and
+    column side ``Y_j = Σ_{i>j} d[i, j] x_i e^{Γ_i − Γ_j}`` for ``d`` = dP, dA; dense: one dot each, anchored at the
+    block's first row ``a`` (no later token can move the rounding); SAFE: other blocks anchored at the block's first
+    (row side) or last (column side) row, the diagonal block pair by pair. The ``Γ_C − Γ_t`` terms add
+    ``Σ_{s<t} k_s dKd_s e^{Γ_C − Γ_s} + e^{Γ_C} Σ_v S0 dS_C`` to dg_t: an exclusive prefix (of the previous rows,
+    loaded again), no large term added and taken away again. Head dim in slices of KS (fewer live registers)."""
     c = tl.program_id(0) // 4  # the 4 row blocks of a chunk run side by side: its q, k, Γ are read from L2
     h = tl.program_id(1)
     a = tl.program_id(0) % 4 * 16
@@ -586,12 +552,14 @@ def _bwd_pair_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, dp_ptr, da_ptr, dq32_ptr, dk3
     k_ptr += base
     gam_ptr += base
     dp_i = tl.load(dp_ptr + base64 + ri[:, None] * (H * 64) + rc[None, :], mask=vi[:, None], other=0.0)  # [16, 64]
+    dp_diag = tl.sum(tl.where(rc[None, :] == ri[:, None], dp_i, 0.0), axis=1)
+    dp_i = tl.where(rc[None, :] < ri[:, None], dp_i, 0.0)
     da_i = tl.load(da_ptr + base64 + ri[:, None] * (H * 64) + rc[None, :], mask=vi[:, None], other=0.0)
-    dp_c = tl.load(dp_ptr + base64 + rc[:, None] * (H * 64) + a + tl.arange(0, 16)[None, :], mask=vc[:, None],
-                   other=0.0)  # [64, 16]: d[i, j] for j in the block
+    colblk = base64 + rc[:, None] * (H * 64) + ri[None, :]  # [64, 16]: [i, j] for j in the block
+    dp_c = tl.load(dp_ptr + colblk, mask=vc[:, None] & (rc[:, None] > ri[None, :]), other=0.0)
     bc = tl.load(b_ptr + s * H + rc * H + h, mask=vc, other=0.0).to(tl.float32)
-    dm_c = tl.load(da_ptr + base64 + rc[:, None] * (H * 64) + a + tl.arange(0, 16)[None, :], mask=vc[:, None],
-                   other=0.0) * bc[:, None]
+    dm_c = tl.load(da_ptr + colblk, mask=vc[:, None], other=0.0) * bc[:, None]
+    tinv_c = tl.load(tinv_ptr + colblk, mask=vc[:, None], other=0.0)  # T[:, block]
     bi = tl.load(b_ptr + s * H + ri * H + h, mask=vi, other=0.0).to(tl.float32)
     dbeta = tl.load(db32_ptr + s * H + ri * H + h, mask=vi, other=0.0)
     if SAFE:
@@ -600,6 +568,8 @@ def _bwd_pair_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, dp_ptr, da_ptr, dq32_ptr, dk3
     else:
         cols = (rc < a + 16)[:, None]
         rows = (rc >= a)[:, None]
+    before = (rc < a)[:, None] & vc[:, None]  # rows of earlier blocks (the prefix terms)
+    prev = (ri >= a + 1)[:, None] & vi[:, None]  # rows of this block with a previous row in it
     for kh in range(0, BK, KS):
         ck = kh + tl.arange(0, KS)
         mk = ck < K
@@ -615,7 +585,29 @@ def _bwd_pair_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, dp_ptr, da_ptr, dq32_ptr, dk3
         qi = tl.load(q_ptr + offi, mask=mi, other=0.0).to(tl.float32)
         gc = tl.where(vc[:, None], tl.load(gam_ptr + offc, mask=mcall, other=0.0), glast[None, :])
         kc = tl.load(k_ptr + offc, mask=mcall, other=0.0).to(tl.float32)
-        # row side
+        # dense terms
+        eg = tl.exp(gi)
+        kg = ki * eg
+        dkd_i = tl.load(dkd_ptr + base + offi, mask=mi, other=0.0)
+        tdw = tl.dot(tl.trans(tinv_c), tl.load(dw_ptr + base + offc, mask=mcall, other=0.0))  # rows of Tᵀ dW
+        dkg = tdw * bi[:, None]
+        dq = tl.load(dqg_ptr + base + offi, mask=mi, other=0.0) * eg * scale
+        dk = dkd_i * tl.exp(glast[None, :] - gi) + dkg * eg + dp_diag[:, None] * qi
+        dgam = kg * dkg + qi * dq
+        dbeta += tl.sum(kg * tdw, axis=1)
+        dq += dp_diag[:, None] * ki
+        # prefix terms of dg: earlier blocks' rows (column sums), then the previous rows of this block
+        mb = before & mk[None, :]
+        xb = tl.sum(tl.where(mb, kc * tl.load(dkd_ptr + base + offc, mask=mb, other=0.0)
+                             * tl.exp(tl.where(mb, glast[None, :] - gc, 0.0)), 0.0), axis=0)
+        mp = prev & mk[None, :]
+        offp = offi - H * K
+        xp_ = tl.load(k_ptr + offp, mask=mp, other=0.0).to(tl.float32) * tl.load(dkd_ptr + base + offp, mask=mp,
+                      other=0.0) * tl.exp(tl.where(mp, glast[None, :] - tl.load(gam_ptr + offp, mask=mp, other=0.0),
+                                                   0.0))
+        dgc = tl.load(dgc_ptr + (c * H + h).to(tl.int64) * K + ck, mask=mk, other=0.0)
+        tl.store(dge_ptr + base + offi, tl.cumsum(xp_, axis=0) + (xb + tl.exp(glast) * dgc)[None, :], mask=mi)
+        # pairwise terms, row side
         kr = tl.where(cols, kc * tl.exp(tl.where(cols, ga[None, :] - gc, 0.0)), 0.0)
         el = tl.exp(gi - ga[None, :])
         xp = el * tl.dot(dp_i, kr)
@@ -652,9 +644,9 @@ def _bwd_pair_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, dp_ptr, da_ptr, dq32_ptr, dk3
                 dmj = tl.sum(tl.where(sel, tl.trans(dm_c), 0.0), axis=1)
                 yp += dpj[:, None] * (ey * qj[None, :])
                 ym += dmj[:, None] * (ey * kj[None, :])
-        dq = tl.load(dq32_ptr + base + offi, mask=mi, other=0.0) + xp
-        dk = tl.load(dk32_ptr + base + offi, mask=mi, other=0.0) + xa * bi[:, None] + yp + ym
-        dgam = tl.load(dgam_ptr + base + offi, mask=mi, other=0.0) + qi * xp + ki * xa * bi[:, None] - ki * (yp + ym)
+        dq += xp
+        dk += xa * bi[:, None] + yp + ym
+        dgam += qi * xp + ki * xa * bi[:, None] - ki * (yp + ym)
         dbeta += tl.sum(ki * xa, axis=1)
         tl.store(dq_ptr + base + offi, dq.to(dq_ptr.dtype.element_ty), mask=mi)
         tl.store(dk_ptr + base + offi, dk.to(dk_ptr.dtype.element_ty), mask=mi)
@@ -879,18 +871,18 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep=Non
     dv = torch.empty_like(v)
     db = torch.empty_like(beta)
     if NC > 0:
-        dqg, dkd, dw, dq32, dk32, dgam, dge = (torch.empty(TT, H, K, **f32) for _ in range(7))
-        dt, da = torch.empty(TT, H, 64, **f32), torch.empty(TT, H, 64, **f32)
+        dqg, dkd, dw, dgam, dge = (torch.empty(TT, H, K, **f32) for _ in range(5))
+        da = torch.empty(TT, H, 64, **f32)
         dp = torch.empty_like(fw["aqk"]) if prep is not None else fw["aqk"]  # a recomputed A_qk's buffer takes dP
         db32 = torch.empty(TT, H, **f32)
         dgc = torch.empty(NC, H, K, **f32)
-        _bwd_v_kernel[(NC, H)](v, beta, fw["tinv"], fw["hs"], dhs, fw["us"], dus, do, dv, dqg, dkd, dw, dt, dp, db32,
+        _bwd_v_kernel[(NC, H)](v, beta, fw["tinv"], fw["hs"], dhs, fw["us"], dus, do, dv, dqg, dkd, dw, dp, da, db32,
                                dgc, cstart, cend, scale, H, K, V, BK, BV, **LAUNCH["bwd_v"])
-        _bwd_dense_kernel[(NC, H)](q, k, beta, fw["gam"], fw["tinv"], dqg, dkd, dw, dt, dp, dgc, dq32, dk32, dgam,
-                                   dge, db32, da, cstart, cend, scale, H, K, BK, min(BK, 32),
-                                   **LAUNCH["bwd_dense"])
-        _bwd_pair_kernel[(NC * 4, H)](q, k, beta, fw["gam"], dp, da, dq32, dk32, dgam, db32, dq, dk, db, cstart,
-                                     cend, H, K, BK, min(BK, 32), SAFE=safe, **LAUNCH["bwd_pair"])
+        _bwd_da_kernel[(NC, H)](k, beta, fw["gam"], fw["tinv"], dw, da, cstart, cend, H, K, BK, min(BK, 64),
+                                **LAUNCH["bwd_da"])
+        _bwd_intra_kernel[(NC * 4, H)](q, k, beta, fw["gam"], fw["tinv"], dqg, dkd, dw, dp, da, dgc, dgam, dge, db32,
+                                      dq, dk, db, cstart, cend, scale, H, K, BK, min(BK, SLICE["bwd_intra_k"]),
+                                      SAFE=safe, **LAUNCH["bwd_intra"])
         _bwd_dg_kernel[(NC, H)](dgam, dge, g, a, dtb, dg, da_part, ddtb_part, cstart, cend, lb, H, K, BK, GATE=mode,
                                 **LAUNCH["bwd_dg"])
     dgate = (da_part.sum(0), ddtb_part.sum(0)) if mode else None
