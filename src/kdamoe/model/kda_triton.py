@@ -59,7 +59,7 @@ LAUNCH = {
 }
 # Column slices of `_wu_kernel` (head dim, V): whole [64, 128] fp32 tiles spilled at sm_90; with 64-wide slices at
 # 4 warps it takes 0.45 instead of 0.51 ms per call (H200, 4x8K), 0.43 with one pipeline stage instead of two
-# (tune_kda_h200_s8.json). The same slices in intra and the O kernel were slower (tune_kda_h200_s7.json).
+# (tune_kda_h200_s8_bwd_intra.json). The same slices in intra and the O kernel were slower (tune_kda_h200_s7.json).
 # `_bwd_intra_kernel` in 64-wide slices at 2 stages: 3.38 ms at 4x8K, 3.94 in 32-wide ones.
 SLICE = {"wu_k": 64, "wu_v": 64, "bwd_intra_k": 64}
 
