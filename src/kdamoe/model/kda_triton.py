@@ -498,10 +498,12 @@ def _bwd_v_kernel(v_ptr, b_ptr, tinv_ptr, hs_ptr, dhs_ptr, us_ptr, dus_ptr, do_p
 
 
 @triton.jit
-def _bwd_da_kernel(k_ptr, b_ptr, gam_ptr, tinv_ptr, dw_ptr, da_ptr, cstart_ptr, cend_ptr, H, K: tl.constexpr,
-                   BK: tl.constexpr, KB: tl.constexpr):
-    """``dT += dW (β K e^Γ)ᵀ``, then ``dA = −Tᵀ dT Tᵀ`` (strictly lower), in place of dT: the one chunk-wide
-    reduction (over the head dim) that the per-row kernel ``_bwd_intra_kernel`` needs."""
+def _bwd_da_kernel(k_ptr, b_ptr, gam_ptr, tinv_ptr, dw_ptr, dkd_ptr, da_ptr, xpre_ptr, cstart_ptr, cend_ptr, H,
+                   K: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr):
+    """The chunk-wide reductions that the per-row kernel ``_bwd_intra_kernel`` needs: ``dT += dW (β K e^Γ)ᵀ``, then
+    ``dA = −Tᵀ dT Tᵀ`` (strictly lower, in place of dT); and the sums ``Σ_{s<16 I} k_s dKd_s e^{Γ_C − Γ_s}`` for
+    row blocks I = 1, 2, 3 (``xpre [chunks, H, 3, K]``: the prefix terms of dg that reach a block from earlier
+    ones)."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.load(cstart_ptr + c).to(tl.int64)
@@ -513,11 +515,17 @@ def _bwd_da_kernel(k_ptr, b_ptr, gam_ptr, tinv_ptr, dw_ptr, da_ptr, cstart_ptr, 
     dt = tl.load(da_ptr + off64, mask=rv[:, None], other=0.0)
     for kh in range(0, BK, KB):
         ck = kh + tl.arange(0, KB)
-        m2 = rv[:, None] & (ck < K)[None, :]
+        mk = ck < K
+        m2 = rv[:, None] & mk[None, :]
         offk = s * (H * K) + h * K + r[:, None] * (H * K) + ck[None, :]
-        kgb = tl.load(k_ptr + offk, mask=m2, other=0.0).to(tl.float32) * tl.exp(
-            tl.load(gam_ptr + offk, mask=m2, other=0.0)) * beta[:, None]
-        dt += tl.dot(tl.load(dw_ptr + offk, mask=m2, other=0.0), tl.trans(kgb))
+        kk = tl.load(k_ptr + offk, mask=m2, other=0.0).to(tl.float32)
+        gam = tl.load(gam_ptr + offk, mask=m2, other=0.0)
+        dt += tl.dot(tl.load(dw_ptr + offk, mask=m2, other=0.0), tl.trans(kk * tl.exp(gam) * beta[:, None]))
+        glast = tl.load(gam_ptr + s * (H * K) + h * K + (e - 1 - s) * (H * K) + ck, mask=mk, other=0.0)
+        x = kk * tl.load(dkd_ptr + offk, mask=m2, other=0.0) * tl.exp(tl.where(m2, glast[None, :] - gam, 0.0))
+        # inclusive sums at rows 15, 31, 47 = the sums over the rows before blocks 1, 2, 3
+        tl.store(xpre_ptr + ((c * H + h).to(tl.int64) * 3 + r[:, None] // 16) * K + ck[None, :], tl.cumsum(x, axis=0),
+                 mask=((r % 16 == 15) & (r < 48))[:, None] & mk[None, :])
     tinv = tl.load(tinv_ptr + off64, mask=rv[:, None], other=0.0)
     da = -tl.dot(tl.trans(tinv), tl.dot(dt, tl.trans(tinv)))
     tl.store(da_ptr + off64, tl.where(r[:, None] > r[None, :], da, 0.0), mask=rv[:, None])
@@ -525,7 +533,7 @@ def _bwd_da_kernel(k_ptr, b_ptr, gam_ptr, tinv_ptr, dw_ptr, da_ptr, cstart_ptr, 
 
 @triton.jit
 def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, tinv_ptr, dqg_ptr, dkd_ptr, dw_ptr, dp_ptr, da_ptr, dgc_ptr,
-                      dgam_ptr, dge_ptr, db32_ptr, dq_ptr, dk_ptr, db_ptr, cstart_ptr, cend_ptr, scale, H,
+                      xpre_ptr, dgam_ptr, dge_ptr, db32_ptr, dq_ptr, dk_ptr, db_ptr, cstart_ptr, cend_ptr, scale, H,
                       K: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, SAFE: tl.constexpr):
     """dq, dk, dβ (final) and dΓ with the prefix terms of dg, of rows ``16 I .. 16 I + 15`` of a chunk, from the
     sums of ``_bwd_v_kernel``. Dense terms, row by row: ``dq = scale dQg e^Γ``, ``dk = dKd e^{Γ_C − Γ} + β (Tᵀ
@@ -534,8 +542,8 @@ def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, tinv_ptr, dqg_ptr, dkd_ptr, 
     column side ``Y_j = Σ_{i>j} d[i, j] x_i e^{Γ_i − Γ_j}`` for ``d`` = dP, dA; dense: one dot each, anchored at the
     block's first row ``a`` (no later token can move the rounding); SAFE: other blocks anchored at the block's first
     (row side) or last (column side) row, the diagonal block pair by pair. The ``Γ_C − Γ_t`` terms add
-    ``Σ_{s<t} k_s dKd_s e^{Γ_C − Γ_s} + e^{Γ_C} Σ_v S0 dS_C`` to dg_t: an exclusive prefix (of the previous rows,
-    loaded again), no large term added and taken away again. Head dim in slices of KS (fewer live registers)."""
+    ``Σ_{s<t} k_s dKd_s e^{Γ_C − Γ_s} + e^{Γ_C} Σ_v S0 dS_C`` to dg_t: the earlier blocks' sum (``_bwd_da_kernel``)
+    plus an exclusive prefix of the previous rows (loaded again), no large term added and taken away again. Head dim in slices of KS (fewer live registers)."""
     c = tl.program_id(0) // 4  # the 4 row blocks of a chunk run side by side: its q, k, Γ are read from L2
     h = tl.program_id(1)
     a = tl.program_id(0) % 4 * 16
@@ -568,7 +576,6 @@ def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, tinv_ptr, dqg_ptr, dkd_ptr, 
     else:
         cols = (rc < a + 16)[:, None]
         rows = (rc >= a)[:, None]
-    before = (rc < a)[:, None] & vc[:, None]  # rows of earlier blocks (the prefix terms)
     prev = (ri >= a + 1)[:, None] & vi[:, None]  # rows of this block with a previous row in it
     for kh in range(0, BK, KS):
         ck = kh + tl.arange(0, KS)
@@ -596,10 +603,9 @@ def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, tinv_ptr, dqg_ptr, dkd_ptr, 
         dgam = kg * dkg + qi * dq
         dbeta += tl.sum(kg * tdw, axis=1)
         dq += dp_diag[:, None] * ki
-        # prefix terms of dg: earlier blocks' rows (column sums), then the previous rows of this block
-        mb = before & mk[None, :]
-        xb = tl.sum(tl.where(mb, kc * tl.load(dkd_ptr + base + offc, mask=mb, other=0.0)
-                             * tl.exp(tl.where(mb, glast[None, :] - gc, 0.0)), 0.0), axis=0)
+        # prefix terms of dg: earlier blocks' rows, then the previous rows of this block
+        xb = tl.load(xpre_ptr + ((c * H + h).to(tl.int64) * 3 + a // 16 - 1) * K + ck, mask=mk & (a + 0 * ck > 0),
+                     other=0.0)
         mp = prev & mk[None, :]
         offp = offi - H * K
         xp_ = tl.load(k_ptr + offp, mask=mp, other=0.0).to(tl.float32) * tl.load(dkd_ptr + base + offp, mask=mp,
@@ -878,11 +884,12 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep=Non
         dgc = torch.empty(NC, H, K, **f32)
         _bwd_v_kernel[(NC, H)](v, beta, fw["tinv"], fw["hs"], dhs, fw["us"], dus, do, dv, dqg, dkd, dw, dp, da, db32,
                                dgc, cstart, cend, scale, H, K, V, BK, BV, **LAUNCH["bwd_v"])
-        _bwd_da_kernel[(NC, H)](k, beta, fw["gam"], fw["tinv"], dw, da, cstart, cend, H, K, BK, min(BK, 64),
-                                **LAUNCH["bwd_da"])
-        _bwd_intra_kernel[(NC * 4, H)](q, k, beta, fw["gam"], fw["tinv"], dqg, dkd, dw, dp, da, dgc, dgam, dge, db32,
-                                      dq, dk, db, cstart, cend, scale, H, K, BK, min(BK, SLICE["bwd_intra_k"]),
-                                      SAFE=safe, **LAUNCH["bwd_intra"])
+        xpre = torch.empty(NC, H, 3, K, **f32)
+        _bwd_da_kernel[(NC, H)](k, beta, fw["gam"], fw["tinv"], dw, dkd, da, xpre, cstart, cend, H, K, BK,
+                                min(BK, 64), **LAUNCH["bwd_da"])
+        _bwd_intra_kernel[(NC * 4, H)](q, k, beta, fw["gam"], fw["tinv"], dqg, dkd, dw, dp, da, dgc, xpre, dgam, dge,
+                                      db32, dq, dk, db, cstart, cend, scale, H, K, BK,
+                                      min(BK, SLICE["bwd_intra_k"]), SAFE=safe, **LAUNCH["bwd_intra"])
         _bwd_dg_kernel[(NC, H)](dgam, dge, g, a, dtb, dg, da_part, ddtb_part, cstart, cend, lb, H, K, BK, GATE=mode,
                                 **LAUNCH["bwd_dg"])
     dgate = (da_part.sum(0), ddtb_part.sum(0)) if mode else None
