@@ -52,7 +52,7 @@ LAUNCH = {
     "bwd_state": dict(num_warps=4, num_stages=1),
     "bwd_state_few": dict(num_warps=8, num_stages=2),  # fewer programs than SMs (one long sequence): prefetch
     "bwd_v": dict(num_warps=8, num_stages=1),
-    "bwd_da": dict(num_warps=4, num_stages=2),
+    "bwd_da": dict(num_warps=4, num_stages=1),
     "bwd_intra": dict(num_warps=4, num_stages=2),
     "bwd_dg": dict(num_warps=4),
     "recurrent": dict(num_warps=4),
