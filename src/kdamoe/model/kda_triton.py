@@ -543,7 +543,8 @@ def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, tinv_ptr, dqg_ptr, dkd_ptr, 
     block's first row ``a`` (no later token can move the rounding); SAFE: other blocks anchored at the block's first
     (row side) or last (column side) row, the diagonal block pair by pair. The ``Γ_C − Γ_t`` terms add
     ``Σ_{s<t} k_s dKd_s e^{Γ_C − Γ_s} + e^{Γ_C} Σ_v S0 dS_C`` to dg_t: the earlier blocks' sum (``_bwd_da_kernel``)
-    plus an exclusive prefix of the previous rows (loaded again), no large term added and taken away again. Head dim in slices of KS (fewer live registers)."""
+    plus an exclusive prefix of the previous rows (loaded again), no large term added and taken away again. Head
+    dim in slices of KS (fewer live registers)."""
     c = tl.program_id(0) // 4  # the 4 row blocks of a chunk run side by side: its q, k, Γ are read from L2
     h = tl.program_id(1)
     a = tl.program_id(0) % 4 * 16
@@ -878,7 +879,7 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep=Non
     db = torch.empty_like(beta)
     if NC > 0:
         dqg, dkd, dw, dgam, dge = (torch.empty(TT, H, K, **f32) for _ in range(5))
-        da = torch.empty(TT, H, 64, **f32)
+        da = torch.empty(TT, H, 64, **f32)  # dT from _bwd_v, then dA in place (_bwd_da)
         dp = torch.empty_like(fw["aqk"]) if prep is not None else fw["aqk"]  # a recomputed A_qk's buffer takes dP
         db32 = torch.empty(TT, H, **f32)
         dgc = torch.empty(NC, H, K, **f32)
