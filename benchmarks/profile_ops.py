@@ -56,6 +56,8 @@ def kda(res, names, alts, sizes):
                     fn(x, "bounded")
 
             def fwdbwd():
+                for n in ("q", "k", "v", "g", "beta"):
+                    x[n].grad = None  # as bench_kda.py: no gradient-accumulation kernels in the table
                 fn(x, "bounded").backward(do)
 
             for mode, f in (("fwd", fwd), ("fwd+bwd", fwdbwd)):
