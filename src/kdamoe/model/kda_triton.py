@@ -441,7 +441,7 @@ def _bwd_du0_kernel(aqk_ptr, do_ptr, dus_ptr, cstart_ptr, cend_ptr, H, V: tl.con
 
 @triton.jit
 def _bwd_v_kernel(v_ptr, b_ptr, tinv_ptr, hs_ptr, dhs_ptr, us_ptr, dus_ptr, do_ptr, dv_ptr, dqg_ptr, dkd_ptr, dw_ptr,
-                  dp_ptr, dt_ptr, db_ptr, dgc_ptr, cstart_ptr, cend_ptr, scale, H, K: tl.constexpr, V: tl.constexpr,
+                  dt_ptr, dp_ptr, db_ptr, dgc_ptr, cstart_ptr, cend_ptr, scale, H, K: tl.constexpr, V: tl.constexpr,
                   BK: tl.constexpr, BV: tl.constexpr):
     """Per chunk, the sums over V: ``dQg = dO S0ᵀ``, ``dKd = U dS_Cᵀ``, ``dW = −dU S0ᵀ``, ``dP = dO Uᵀ`` (times
     scale, lower), ``dT = dU (β V)ᵀ``, ``dv = β Tᵀ dU`` (final), ``dβ = Σ V Tᵀ dU`` and ``Σ_v S0 dS_C``."""
@@ -490,11 +490,11 @@ def _bwd_v_kernel(v_ptr, b_ptr, tinv_ptr, hs_ptr, dhs_ptr, us_ptr, dus_ptr, do_p
         dgc += tl.sum(s0 * dsc, axis=1)
     tl.store(dqg_ptr + offk, dqg, mask=m2)
     tl.store(dkd_ptr + offk, dkd, mask=m2)
+    tl.store(dw_ptr + offk, dw, mask=m2)
+    tl.store(dt_ptr + off64, dt, mask=rv[:, None])
     tl.store(dp_ptr + off64, tl.where(r[:, None] >= r[None, :], dp, 0.0) * scale, mask=rv[:, None])
     tl.store(db_ptr + s * H + r * H + h, dbeta, mask=rv)
     tl.store(dgc_ptr + (c * H + h).to(tl.int64) * K + ck, dgc, mask=mk)
-    tl.store(dw_ptr + offk, dw, mask=m2)
-    tl.store(dt_ptr + off64, dt, mask=rv[:, None])
 
 
 @triton.jit
@@ -536,9 +536,9 @@ def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, tinv_ptr, dqg_ptr, dkd_ptr, 
                       xpre_ptr, dgam_ptr, dge_ptr, db32_ptr, dq_ptr, dk_ptr, db_ptr, cstart_ptr, cend_ptr, scale, H,
                       K: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, SAFE: tl.constexpr):
     """dq, dk, dβ (final) and dΓ with the prefix terms of dg, of rows ``16 I .. 16 I + 15`` of a chunk, from the
-    sums of ``_bwd_v_kernel``. Dense terms, row by row: ``dq = scale dQg e^Γ``, ``dk = dKd e^{Γ_C − Γ} + β (Tᵀ
-    dW) e^Γ``, dP's diagonal (kept out of the pairwise terms: it adds exactly 0 to dΓ, and its rounding would
-    dominate dg under strong decay). Pairwise terms: row side ``X_i = Σ_{j<i} d[i, j] k_j e^{Γ_i − Γ_j}`` and
+    sums of ``_bwd_v_kernel`` and ``_bwd_da_kernel``. Dense terms, row by row: ``dq = scale dQg e^Γ``, ``dk =
+    dKd e^{Γ_C − Γ} + β (Tᵀ dW) e^Γ``, dP's diagonal (kept out of the pairwise terms: it adds exactly 0 to dΓ, and
+    its rounding would dominate dg under strong decay). Pairwise terms: row side ``X_i = Σ_{j<i} d[i, j] k_j e^{Γ_i − Γ_j}`` and
     column side ``Y_j = Σ_{i>j} d[i, j] x_i e^{Γ_i − Γ_j}`` for ``d`` = dP, dA; dense: one dot each, anchored at the
     block's first row ``a`` (no later token can move the rounding); SAFE: other blocks anchored at the block's first
     (row side) or last (column side) row, the diagonal block pair by pair. The ``Γ_C − Γ_t`` terms add
@@ -883,7 +883,7 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep=Non
         dp = torch.empty_like(fw["aqk"]) if prep is not None else fw["aqk"]  # a recomputed A_qk's buffer takes dP
         db32 = torch.empty(TT, H, **f32)
         dgc = torch.empty(NC, H, K, **f32)
-        _bwd_v_kernel[(NC, H)](v, beta, fw["tinv"], fw["hs"], dhs, fw["us"], dus, do, dv, dqg, dkd, dw, dp, da, db32,
+        _bwd_v_kernel[(NC, H)](v, beta, fw["tinv"], fw["hs"], dhs, fw["us"], dus, do, dv, dqg, dkd, dw, da, dp, db32,
                                dgc, cstart, cend, scale, H, K, V, BK, BV, **LAUNCH["bwd_v"])
         xpre = torch.empty(NC, H, 3, K, **f32)
         _bwd_da_kernel[(NC, H)](k, beta, fw["gam"], fw["tinv"], dw, dkd, da, xpre, cstart, cend, H, K, BK,
