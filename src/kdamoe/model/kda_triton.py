@@ -53,15 +53,16 @@ LAUNCH = {
     "bwd_state_few": dict(num_warps=8, num_stages=2),  # fewer programs than SMs (one long sequence): prefetch
     "bwd_v": dict(num_warps=8, num_stages=1),
     "bwd_da": dict(num_warps=4, num_stages=1),
-    "bwd_intra": dict(num_warps=4, num_stages=2),
+    "bwd_intra": dict(num_warps=4, num_stages=1),
     "bwd_dg": dict(num_warps=4),
     "recurrent": dict(num_warps=4),
 }
 # Column slices of `_wu_kernel` (head dim, V): whole [64, 128] fp32 tiles spilled at sm_90; with 64-wide slices at
 # 4 warps it takes 0.45 instead of 0.51 ms per call (H200, 4x8K), 0.43 with one pipeline stage instead of two
 # (tune_kda_h200_s8_bwd_intra.json). The same slices in intra and the O kernel were slower (tune_kda_h200_s7.json).
-# `_bwd_intra_kernel` in 64-wide slices at 2 stages: 3.38 ms at 4x8K, 3.94 in 32-wide ones.
-SLICE = {"wu_k": 64, "wu_v": 64, "bwd_intra_k": 64}
+# `_bwd_intra_kernel` (pairwise terms over 16-row partner blocks) in one 128-wide slice at 1 stage: 1.90 ms at 4x8K;
+# 64-wide slices 2.56, 32-wide 2.04 (tune_kda_h200_s9_bwd_intra.json).
+SLICE = {"wu_k": 64, "wu_v": 64, "bwd_intra_k": 128}
 
 
 # --------------------------------------------------------------------------------------------------- forward
@@ -501,9 +502,9 @@ def _bwd_v_kernel(v_ptr, b_ptr, tinv_ptr, hs_ptr, dhs_ptr, us_ptr, dus_ptr, do_p
 def _bwd_da_kernel(k_ptr, b_ptr, gam_ptr, tinv_ptr, dw_ptr, dkd_ptr, da_ptr, xpre_ptr, cstart_ptr, cend_ptr, H,
                    K: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr):
     """The chunk-wide reductions that the per-row kernel ``_bwd_intra_kernel`` needs: ``dT += dW (β K e^Γ)ᵀ``, then
-    ``dA = −Tᵀ dT Tᵀ`` (strictly lower, in place of dT); and the sums ``Σ_{s<16 I} k_s dKd_s e^{Γ_C − Γ_s}`` for
-    row blocks I = 1, 2, 3 (``xpre [chunks, H, 3, K]``: the prefix terms of dg that reach a block from earlier
-    ones)."""
+    ``dA = −Tᵀ dT Tᵀ`` (strictly lower, in place of dT); ``Tᵀ dW`` (in place of dW); and the sums ``Σ_{s<16 I}
+    k_s dKd_s e^{Γ_C − Γ_s}`` for row blocks I = 1, 2, 3 (``xpre [chunks, H, 3, K]``: the prefix terms of dg that
+    reach a block from earlier ones)."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.load(cstart_ptr + c).to(tl.int64)
@@ -513,6 +514,7 @@ def _bwd_da_kernel(k_ptr, b_ptr, gam_ptr, tinv_ptr, dw_ptr, dkd_ptr, da_ptr, xpr
     off64 = s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :]
     beta = tl.load(b_ptr + s * H + r * H + h, mask=rv, other=0.0).to(tl.float32)
     dt = tl.load(da_ptr + off64, mask=rv[:, None], other=0.0)
+    tinv = tl.load(tinv_ptr + off64, mask=rv[:, None], other=0.0)
     for kh in range(0, BK, KB):
         ck = kh + tl.arange(0, KB)
         mk = ck < K
@@ -520,27 +522,29 @@ def _bwd_da_kernel(k_ptr, b_ptr, gam_ptr, tinv_ptr, dw_ptr, dkd_ptr, da_ptr, xpr
         offk = s * (H * K) + h * K + r[:, None] * (H * K) + ck[None, :]
         kk = tl.load(k_ptr + offk, mask=m2, other=0.0).to(tl.float32)
         gam = tl.load(gam_ptr + offk, mask=m2, other=0.0)
-        dt += tl.dot(tl.load(dw_ptr + offk, mask=m2, other=0.0), tl.trans(kk * tl.exp(gam) * beta[:, None]))
+        dw = tl.load(dw_ptr + offk, mask=m2, other=0.0)
+        dt += tl.dot(dw, tl.trans(kk * tl.exp(gam) * beta[:, None]))
+        tl.store(dw_ptr + offk, tl.dot(tl.trans(tinv), dw), mask=m2)
         glast = tl.load(gam_ptr + s * (H * K) + h * K + (e - 1 - s) * (H * K) + ck, mask=mk, other=0.0)
         x = kk * tl.load(dkd_ptr + offk, mask=m2, other=0.0) * tl.exp(tl.where(m2, glast[None, :] - gam, 0.0))
         # inclusive sums at rows 15, 31, 47 = the sums over the rows before blocks 1, 2, 3
         tl.store(xpre_ptr + ((c * H + h).to(tl.int64) * 3 + r[:, None] // 16) * K + ck[None, :], tl.cumsum(x, axis=0),
                  mask=((r % 16 == 15) & (r < 48))[:, None] & mk[None, :])
-    tinv = tl.load(tinv_ptr + off64, mask=rv[:, None], other=0.0)
     da = -tl.dot(tl.trans(tinv), tl.dot(dt, tl.trans(tinv)))
     tl.store(da_ptr + off64, tl.where(r[:, None] > r[None, :], da, 0.0), mask=rv[:, None])
 
 
 @triton.jit
-def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, tinv_ptr, dqg_ptr, dkd_ptr, dw_ptr, dp_ptr, da_ptr, dgc_ptr,
+def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, dqg_ptr, dkd_ptr, tdw_ptr, dp_ptr, da_ptr, dgc_ptr,
                       xpre_ptr, dgam_ptr, dge_ptr, db32_ptr, dq_ptr, dk_ptr, db_ptr, cstart_ptr, cend_ptr, scale, H,
                       K: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, SAFE: tl.constexpr):
     """dq, dk, dβ (final) and dΓ with the prefix terms of dg, of rows ``16 I .. 16 I + 15`` of a chunk, from the
     sums of ``_bwd_v_kernel`` and ``_bwd_da_kernel``. Dense terms, row by row: ``dq = scale dQg e^Γ``, ``dk =
     dKd e^{Γ_C − Γ} + β (Tᵀ dW) e^Γ``, dP's diagonal (kept out of the pairwise terms: it adds exactly 0 to dΓ, and
     its rounding would dominate dg under strong decay). Pairwise terms: row side ``X_i = Σ_{j<i} d[i, j] k_j e^{Γ_i − Γ_j}`` and
-    column side ``Y_j = Σ_{i>j} d[i, j] x_i e^{Γ_i − Γ_j}`` for ``d`` = dP, dA; dense: one dot each, anchored at the
-    block's first row ``a`` (no later token can move the rounding); SAFE: other blocks anchored at the block's first
+    column side ``Y_j = Σ_{i>j} d[i, j] x_i e^{Γ_i − Γ_j}`` for ``d`` = dP, dA, 16 partner rows at a time (only the
+    causal blocks are loaded); dense: one dot per block, anchored at the block's first row ``a`` (no later token
+    can move the rounding); SAFE: other blocks anchored at the block's first
     (row side) or last (column side) row, the diagonal block pair by pair. The ``Γ_C − Γ_t`` terms add
     ``Σ_{s<t} k_s dKd_s e^{Γ_C − Γ_s} + e^{Γ_C} Σ_v S0 dS_C`` to dg_t: the earlier blocks' sum (``_bwd_da_kernel``)
     plus an exclusive prefix of the previous rows (loaded again), no large term added and taken away again. Head
@@ -552,52 +556,47 @@ def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, tinv_ptr, dqg_ptr, dkd_ptr, 
     e = tl.load(cend_ptr + c).to(tl.int64)
     n = e - s
     ri = a + tl.arange(0, 16)
-    rc = tl.arange(0, 64)
     vi = ri < n
-    vc = rc < n
     base = s * (H * K) + h * K
     base64 = s * (H * 64) + h * 64
     q_ptr += base
     k_ptr += base
     gam_ptr += base
-    dp_i = tl.load(dp_ptr + base64 + ri[:, None] * (H * 64) + rc[None, :], mask=vi[:, None], other=0.0)  # [16, 64]
-    dp_diag = tl.sum(tl.where(rc[None, :] == ri[:, None], dp_i, 0.0), axis=1)
-    dp_i = tl.where(rc[None, :] < ri[:, None], dp_i, 0.0)
-    da_i = tl.load(da_ptr + base64 + ri[:, None] * (H * 64) + rc[None, :], mask=vi[:, None], other=0.0)
-    colblk = base64 + rc[:, None] * (H * 64) + ri[None, :]  # [64, 16]: [i, j] for j in the block
-    dp_c = tl.load(dp_ptr + colblk, mask=vc[:, None] & (rc[:, None] > ri[None, :]), other=0.0)
-    bc = tl.load(b_ptr + s * H + rc * H + h, mask=vc, other=0.0).to(tl.float32)
-    dm_c = tl.load(da_ptr + colblk, mask=vc[:, None], other=0.0) * bc[:, None]
-    tinv_c = tl.load(tinv_ptr + colblk, mask=vc[:, None], other=0.0)  # T[:, block]
+    cc = tl.arange(0, 16)
+    dp_diag = tl.load(dp_ptr + base64 + ri * (H * 64) + ri, mask=vi, other=0.0)
     bi = tl.load(b_ptr + s * H + ri * H + h, mask=vi, other=0.0).to(tl.float32)
     dbeta = tl.load(db32_ptr + s * H + ri * H + h, mask=vi, other=0.0)
-    if SAFE:
-        cols = (rc < a)[:, None]
-        rows = (rc >= a + 16)[:, None]
+    if SAFE:  # the diagonal block's d[i, j] (row side) and d[j, i] (column side, as [i, j]), pair by pair below
+        offd = base64 + ri[:, None] * (H * 64) + (a + cc)[None, :]
+        offdt = base64 + (a + cc)[None, :] * (H * 64) + ri[:, None]
+        vd = vi[:, None] & ((a + cc) < n)[None, :]
+        dp_r = tl.load(dp_ptr + offd, mask=vd & ((a + cc)[None, :] < ri[:, None]), other=0.0)
+        da_r = tl.load(da_ptr + offd, mask=vd, other=0.0)
+        bd = tl.load(b_ptr + s * H + (a + cc) * H + h, mask=(a + cc) < n, other=0.0).to(tl.float32)
+        dp_t = tl.load(dp_ptr + offdt, mask=vd & ((a + cc)[None, :] > ri[:, None]), other=0.0)
+        dm_t = tl.load(da_ptr + offdt, mask=vd, other=0.0) * bd[None, :]
+        nrow = a // 16  # row side: earlier blocks as dots
+        ncol0 = a // 16 + 1  # column side: later blocks as dots
     else:
-        cols = (rc < a + 16)[:, None]
-        rows = (rc >= a)[:, None]
+        nrow = a // 16 + 1
+        ncol0 = a // 16
     prev = (ri >= a + 1)[:, None] & vi[:, None]  # rows of this block with a previous row in it
     for kh in range(0, BK, KS):
         ck = kh + tl.arange(0, KS)
         mk = ck < K
         mi = vi[:, None] & mk[None, :]
-        mcall = vc[:, None] & mk[None, :]
         offi = ri[:, None] * (H * K) + ck[None, :]
-        offc = rc[:, None] * (H * K) + ck[None, :]
         glast = tl.load(gam_ptr + (n - 1) * (H * K) + ck, mask=mk, other=0.0)
         ga = tl.load(gam_ptr + a * (H * K) + ck, mask=mk & (a + 0 * ck < n), other=0.0)
         ga = tl.where(a < n, ga, glast)
         gi = tl.where(vi[:, None], tl.load(gam_ptr + offi, mask=mi, other=0.0), glast[None, :])
         ki = tl.load(k_ptr + offi, mask=mi, other=0.0).to(tl.float32)
         qi = tl.load(q_ptr + offi, mask=mi, other=0.0).to(tl.float32)
-        gc = tl.where(vc[:, None], tl.load(gam_ptr + offc, mask=mcall, other=0.0), glast[None, :])
-        kc = tl.load(k_ptr + offc, mask=mcall, other=0.0).to(tl.float32)
         # dense terms
         eg = tl.exp(gi)
         kg = ki * eg
         dkd_i = tl.load(dkd_ptr + base + offi, mask=mi, other=0.0)
-        tdw = tl.dot(tl.trans(tinv_c), tl.load(dw_ptr + base + offc, mask=mcall, other=0.0))  # rows of Tᵀ dW
+        tdw = tl.load(tdw_ptr + base + offi, mask=mi, other=0.0)  # rows of Tᵀ dW
         dkg = tdw * bi[:, None]
         dq = tl.load(dqg_ptr + base + offi, mask=mi, other=0.0) * eg * scale
         dk = dkd_i * tl.exp(glast[None, :] - gi) + dkg * eg + dp_diag[:, None] * qi
@@ -614,21 +613,47 @@ def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, tinv_ptr, dqg_ptr, dkd_ptr, 
                                                    0.0))
         dgc = tl.load(dgc_ptr + (c * H + h).to(tl.int64) * K + ck, mask=mk, other=0.0)
         tl.store(dge_ptr + base + offi, tl.cumsum(xp_, axis=0) + (xb + tl.exp(glast) * dgc)[None, :], mask=mi)
-        # pairwise terms, row side
-        kr = tl.where(cols, kc * tl.exp(tl.where(cols, ga[None, :] - gc, 0.0)), 0.0)
+        # pairwise terms, row side: blocks up to this one, 16 rows j at a time
+        xp = tl.zeros((16, KS), dtype=tl.float32)
+        xa = tl.zeros((16, KS), dtype=tl.float32)
+        for jb in range(0, nrow):
+            rj = jb * 16 + cc
+            vj = rj < n
+            mj = vj[:, None] & mk[None, :]
+            offj = rj[:, None] * (H * K) + ck[None, :]
+            gj = tl.where(vj[:, None], tl.load(gam_ptr + offj, mask=mj, other=0.0), glast[None, :])
+            krj = tl.load(k_ptr + offj, mask=mj, other=0.0).to(tl.float32) * tl.exp(ga[None, :] - gj)
+            offij = base64 + ri[:, None] * (H * 64) + rj[None, :]
+            vij = vi[:, None] & vj[None, :]
+            xp += tl.dot(tl.load(dp_ptr + offij, mask=vij & (rj[None, :] < ri[:, None]), other=0.0), krj)
+            xa += tl.dot(tl.load(da_ptr + offij, mask=vij, other=0.0), krj)
         el = tl.exp(gi - ga[None, :])
-        xp = el * tl.dot(dp_i, kr)
-        xa = el * tl.dot(da_i, kr)
-        # column side: columns of this block, rows after them
+        xp *= el
+        xa *= el
+        # column side: columns of this block, rows j of this and later blocks
         if SAFE:
             gb = tl.load(gam_ptr + tl.minimum(a + 15, n - 1) * (H * K) + ck, mask=mk, other=0.0)
         else:
             gb = ga
-        er = tl.exp(tl.where(rows, gc - gb[None, :], 0.0))
-        qc = tl.load(q_ptr + offc, mask=mcall, other=0.0).to(tl.float32)
+        yp = tl.zeros((16, KS), dtype=tl.float32)
+        ym = tl.zeros((16, KS), dtype=tl.float32)
+        for jb in range(ncol0, 4):
+            rj = jb * 16 + cc
+            vj = rj < n
+            mj = vj[:, None] & mk[None, :]
+            offj = rj[:, None] * (H * K) + ck[None, :]
+            gj = tl.where(vj[:, None], tl.load(gam_ptr + offj, mask=mj, other=0.0), glast[None, :])
+            erj = tl.exp(gj - gb[None, :])
+            offji = base64 + rj[None, :] * (H * 64) + ri[:, None]  # d[j, i] as [i, j]
+            vij = vi[:, None] & vj[None, :]
+            bj = tl.load(b_ptr + s * H + rj * H + h, mask=vj, other=0.0).to(tl.float32)
+            yp += tl.dot(tl.load(dp_ptr + offji, mask=vij & (rj[None, :] > ri[:, None]), other=0.0),
+                         tl.load(q_ptr + offj, mask=mj, other=0.0).to(tl.float32) * erj)
+            ym += tl.dot(tl.load(da_ptr + offji, mask=vij, other=0.0) * bj[None, :],
+                         tl.load(k_ptr + offj, mask=mj, other=0.0).to(tl.float32) * erj)
         ej = tl.exp(gb[None, :] - gi)
-        yp = ej * tl.dot(tl.trans(dp_c), tl.where(rows, qc * er, 0.0))
-        ym = ej * tl.dot(tl.trans(dm_c), tl.where(rows, kc * er, 0.0))
+        yp *= ej
+        ym *= ej
         if SAFE:
             for jj in range(16):
                 j = a + jj
@@ -640,15 +665,15 @@ def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, tinv_ptr, dqg_ptr, dkd_ptr, 
                 # row side: partner j is an earlier (or the same) token of row i
                 ok = ri >= j
                 ex = tl.exp(tl.where(ok[:, None], gi - gj[None, :], 0.0)) * kj[None, :]
-                sel = ok[:, None] & (rc[None, :] == j)
-                xp += tl.sum(tl.where(sel, dp_i, 0.0), axis=1)[:, None] * ex
-                xa += tl.sum(tl.where(sel, da_i, 0.0), axis=1)[:, None] * ex
+                sel = ok[:, None] & (cc[None, :] == jj)
+                xp += tl.sum(tl.where(sel, dp_r, 0.0), axis=1)[:, None] * ex
+                xa += tl.sum(tl.where(sel, da_r, 0.0), axis=1)[:, None] * ex
                 # column side: partner j is a later (or the same) token of column i
                 ok = ri <= j
                 ey = tl.exp(tl.where(ok[:, None], gj[None, :] - gi, 0.0))
-                sel = ok[:, None] & (rc[None, :] == j)
-                dpj = tl.sum(tl.where(sel, tl.trans(dp_c), 0.0), axis=1)
-                dmj = tl.sum(tl.where(sel, tl.trans(dm_c), 0.0), axis=1)
+                sel = ok[:, None] & (cc[None, :] == jj)
+                dpj = tl.sum(tl.where(sel, dp_t, 0.0), axis=1)
+                dmj = tl.sum(tl.where(sel, dm_t, 0.0), axis=1)
                 yp += dpj[:, None] * (ey * qj[None, :])
                 ym += dmj[:, None] * (ey * kj[None, :])
         dq += xp
@@ -879,7 +904,7 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep=Non
     db = torch.empty_like(beta)
     if NC > 0:
         dqg, dkd, dw, dgam, dge = (torch.empty(TT, H, K, **f32) for _ in range(5))
-        da = torch.empty(TT, H, 64, **f32)  # dT from _bwd_v, then dA in place (_bwd_da)
+        da = torch.empty(TT, H, 64, **f32)  # dT from _bwd_v, then dA in place (_bwd_da); dw becomes Tᵀ dW there
         dp = torch.empty_like(fw["aqk"]) if prep is not None else fw["aqk"]  # a recomputed A_qk's buffer takes dP
         db32 = torch.empty(TT, H, **f32)
         dgc = torch.empty(NC, H, K, **f32)
@@ -888,9 +913,9 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep=Non
         xpre = torch.empty(NC, H, 3, K, **f32)
         _bwd_da_kernel[(NC, H)](k, beta, fw["gam"], fw["tinv"], dw, dkd, da, xpre, cstart, cend, H, K, BK,
                                 min(BK, 64), **LAUNCH["bwd_da"])
-        _bwd_intra_kernel[(NC * 4, H)](q, k, beta, fw["gam"], fw["tinv"], dqg, dkd, dw, dp, da, dgc, xpre, dgam, dge,
-                                      db32, dq, dk, db, cstart, cend, scale, H, K, BK,
-                                      min(BK, SLICE["bwd_intra_k"]), SAFE=safe, **LAUNCH["bwd_intra"])
+        _bwd_intra_kernel[(NC * 4, H)](q, k, beta, fw["gam"], dqg, dkd, dw, dp, da, dgc, xpre, dgam, dge, db32, dq,
+                                      dk, db, cstart, cend, scale, H, K, BK, min(BK, SLICE["bwd_intra_k"]),
+                                      SAFE=safe, **LAUNCH["bwd_intra"])
         _bwd_dg_kernel[(NC, H)](dgam, dge, g, a, dtb, dg, da_part, ddtb_part, cstart, cend, lb, H, K, BK, GATE=mode,
                                 **LAUNCH["bwd_dg"])
     dgate = (da_part.sum(0), ddtb_part.sum(0)) if mode else None
