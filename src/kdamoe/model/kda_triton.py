@@ -62,7 +62,7 @@ LAUNCH = {
 # (tune_kda_h200_s8_bwd_intra.json). The same slices in intra and the O kernel were slower (tune_kda_h200_s7.json).
 # `_bwd_intra_kernel` (pairwise terms over 16-row partner blocks) in one 128-wide slice at 1 stage: 1.90 ms at 4x8K;
 # 64-wide slices 2.56, 32-wide 2.04 (tune_kda_h200_s9_bwd_intra.json).
-SLICE = {"wu_k": 64, "wu_v": 64, "bwd_intra_k": 128}
+SLICE = {"wu_k": 64, "wu_v": 64, "bwd_intra_k": 128, "bwd_da_k": 64}
 
 
 # --------------------------------------------------------------------------------------------------- forward
@@ -912,7 +912,7 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep=Non
                                dgc, cstart, cend, scale, H, K, V, BK, BV, **LAUNCH["bwd_v"])
         xpre = torch.empty(NC, H, 3, K, **f32)
         _bwd_da_kernel[(NC, H)](k, beta, fw["gam"], fw["tinv"], dw, dkd, da, xpre, cstart, cend, H, K, BK,
-                                min(BK, 64), **LAUNCH["bwd_da"])
+                                min(BK, SLICE["bwd_da_k"]), **LAUNCH["bwd_da"])
         _bwd_intra_kernel[(NC * 4, H)](q, k, beta, fw["gam"], dqg, dkd, dw, dp, da, dgc, xpre, dgam, dge, db32, dq,
                                       dk, db, cstart, cend, scale, H, K, BK, min(BK, SLICE["bwd_intra_k"]),
                                       SAFE=safe, **LAUNCH["bwd_intra"])
