@@ -54,9 +54,9 @@ fi
 sizes=${1:-4x8192,1x32768}
 cd benchmarks
 timeout 120 python3 bench_kda.py --impls ours-bounded --sizes "$sizes" --no-million --out "$OUT/ab_ours.json" 2>&1 \
-  | grep -E "rel err|ms$|Error" | cut -c1-160
+  | grep -E "rel err|ms$|GiB kept|Error" | cut -c1-160
 for f in ../alt/*.py; do
   name=$(basename "$f" .py)
   timeout 120 python3 bench_kda.py --impls "$name-bounded" --alt "$name=$f" --sizes "$sizes" --no-million \
-    --out "$OUT/ab_$name.json" 2>&1 | grep -E "rel err|ms$|Error" | cut -c1-160
+    --out "$OUT/ab_$name.json" 2>&1 | grep -E "rel err|ms$|GiB kept|Error" | cut -c1-160
 done

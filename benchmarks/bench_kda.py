@@ -121,6 +121,19 @@ def time_it(fn, x, gate, backward):
     return do_bench(step, warmup=50, rep=300, return_mode="median")
 
 
+def saved_gib(fn, x, gate):
+    """GiB that the autograd graph holds between the forward and the backward (the output included): what a
+    layer keeps per call while training without activation checkpointing."""
+    leaves = {n: x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta")}
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    o = fn({**x, **leaves}, gate)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    del o
+    return held / 2**30
+
+
 def peak_forward(fn, x, gate):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -208,7 +221,7 @@ def main():
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
     res = dict(gpu=dev, torch=torch.__version__, triton=triton.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               fla=None, heads=H, head_dim=D, dtype="bf16", errors={}, times={}, million={})
+               fla=None, heads=H, head_dim=D, dtype="bf16", errors={}, times={}, saved_gib={}, million={})
     try:
         import fla
         res["fla"] = fla.__version__
@@ -244,6 +257,10 @@ def main():
                 ms = time_it(fn, {n: t.detach() for n, t in x.items()}, gate, bwd)
                 res["times"].setdefault(key, {})[name] = ms
                 print(f"{key:>16} {name:>14}: {ms:9.3f} ms", flush=True)
+                if bwd and name != "sdpa":
+                    gib = saved_gib(fn, {n: t.detach() for n, t in x.items()}, gate)
+                    res["saved_gib"].setdefault(f"{B}x{T // 1024}K", {})[name] = gib
+                    print(f"{key:>16} {name:>14}: {gib:9.3f} GiB kept for the backward", flush=True)
                 save(res, args.out)
         del x
         torch.cuda.empty_cache()
@@ -268,6 +285,9 @@ def main():
         vs_softplus = row.get("ours-softplus", float("nan")) / ours
         cells = " | ".join(f"{row[n]:.2f}" if n in row else "—" for n in names)
         print(f"| {key} | {cells} | {vs_fla:.2f}x | {vs_softplus:.2f}x |")
+    for key, row in res["saved_gib"].items():
+        print(f"| {key} GiB kept for the backward | " + " | ".join(f"{row[n]:.2f}" if n in row else "—" for n in names)
+              + " | | |")
     for name, m in res["million"].items():
         print(f"| 1M fwd {name} | {m['ms']:.1f} ms | {m['peak_gib']:.1f} GiB | finite={m['finite']} |")
     save(res, args.out)
