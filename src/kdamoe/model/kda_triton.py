@@ -52,8 +52,8 @@ LAUNCH = {
     "bwd_state": dict(num_warps=4, num_stages=1),
     "bwd_state_few": dict(num_warps=8, num_stages=2),  # fewer programs than SMs (one long sequence): prefetch
     "bwd_v": dict(num_warps=8, num_stages=1),
-    "bwd_da": dict(num_warps=4, num_stages=1, maxnreg=128),
-    "bwd_intra": dict(num_warps=8, maxnreg=128),
+    "bwd_da": dict(num_warps=4, num_stages=1),
+    "bwd_intra": dict(num_warps=4, num_stages=1),
     "bwd_dg": dict(num_warps=4),
     "recurrent": dict(num_warps=4),
 }
@@ -61,9 +61,10 @@ LAUNCH = {
 # 4 warps it takes 0.45 instead of 0.51 ms per call (H200, 4x8K), 0.43 with one pipeline stage instead of two
 # (tune_kda_h200_s8_bwd_intra.json). The same slices in intra and the O kernel were slower (tune_kda_h200_s7.json).
 # `_bwd_intra_kernel` (pairwise terms over 16-row partner blocks) in one 128-wide slice: 1.90 ms at 4x8K (4 warps,
-# 1 stage), 1.88 at 8 warps capped at 128 registers; 64-wide slices 2.56, 32-wide 2.04 (tune_kda_h200_s9_bwd_intra.json).
-# `_bwd_da_kernel` in 32-wide slices capped at 128 registers: 0.68 ms, 0.71 at 64 (tune_kda_h200_s9.json).
-SLICE = {"wu_k": 64, "wu_v": 64, "bwd_intra_k": 128, "bwd_da_k": 32}
+# 1 stage); 64-wide slices 2.56, 32-wide 2.04 (tune_kda_h200_s9_bwd_intra.json). The tuner's picks for it (8 warps capped
+# at 128 registers, 1.88) and `_bwd_da` (32-wide slices capped at 128, 0.68 vs 0.71) made the whole forward+backward
+# 2-3 % slower (tune_kda_h200_s9.json, kda_h200_s9_ab.json).
+SLICE = {"wu_k": 64, "wu_v": 64, "bwd_intra_k": 128, "bwd_da_k": 64}
 
 
 # --------------------------------------------------------------------------------------------------- forward
