@@ -42,6 +42,19 @@ def assert_gradients_match(outs, ref_outs, leaves, ref_leaves, tol):
         assert rel(x.grad, y.grad) < tol, name
 
 
+def count_launches(monkeypatch, name):
+    """Count the launches of kernel ``name`` of ``kda_triton`` (the returned list gets one entry per launch)."""
+    kernel, launches = getattr(kda_triton, name), []
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(1)
+            return kernel[grid]
+
+    monkeypatch.setattr(kda_triton, name, Counted())
+    return launches
+
+
 @pytest.mark.skipif(not NEEDS_SUBPROCESS, reason="the kernels run in this process")
 def test_kernels_in_interpreter_subprocess():
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -137,13 +150,30 @@ def test_head_dims_over_several_slices(gate):
 
 @kernel_test
 @pytest.mark.parametrize("gate", ["bounded", "softplus"])
-def test_backward_matches_oracle(gate):
+def test_backward_matches_oracle(gate, monkeypatch):
     inputs = make_inputs(1, 100, 2, 16, 32, gate) + [torch.randn(1, 2, 16, 32, device=DEV)]
     xs = [x.clone().requires_grad_() for x in inputs]
     ys = [x.double().clone().requires_grad_() for x in inputs]
+    loops = count_launches(monkeypatch, "_fwd_state_kernel")
     o, ht = kda_triton.chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True, gate=gate)
     ro, rht = kda.naive_recurrent_kda(*ys[:5], initial_state=ys[5], output_final_state=True)
     assert_gradients_match((o, ht), (ro, rht), xs, ys, GRAD_TOL)
+    assert loops == [1]  # the backward computes U from the states that the forward kept: no second chunk loop
+
+
+@kernel_test
+def test_backward_without_kept_states_matches_oracle(monkeypatch):
+    """Per-chunk states over ``STATES_LIMIT_BYTES`` are not kept for the backward: it runs the chunk loop again
+    instead of computing U from the forward's states. Both ways must give the reference gradients."""
+    monkeypatch.setattr(kda_triton, "STATES_LIMIT_BYTES", -(1 << 62))
+    loops = count_launches(monkeypatch, "_fwd_state_kernel")
+    inputs = make_inputs(1, 100, 2, 16, 32, "bounded") + [torch.randn(1, 2, 16, 32, device=DEV)]
+    xs = [x.clone().requires_grad_() for x in inputs]
+    ys = [x.double().clone().requires_grad_() for x in inputs]
+    o, ht = kda_triton.chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True)
+    ro, rht = kda.naive_recurrent_kda(*ys[:5], initial_state=ys[5], output_final_state=True)
+    assert_gradients_match((o, ht), (ro, rht), xs, ys, GRAD_TOL)
+    assert loops == [1, 1]  # the forward's loop, and the backward's again
 
 
 @kernel_test

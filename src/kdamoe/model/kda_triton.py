@@ -431,15 +431,28 @@ def _bwd_state_kernel(qg_ptr, kd_ptr, dl_ptr, w_ptr, do_ptr, dht_ptr, dh0_ptr, d
 
 
 @triton.jit
-def _bwd_du0_kernel(aqk_ptr, do_ptr, dus_ptr, cstart_ptr, cend_ptr, H, V: tl.constexpr, BV: tl.constexpr):
+def _bwd_du0_kernel(aqk_ptr, do_ptr, dus_ptr, us_ptr, w_ptr, hs_ptr, cstart_ptr, cend_ptr, H, K: tl.constexpr,
+                    V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, U_FROM_STATES: tl.constexpr,
+                    LP: tl.constexpr):
     """``dU0 = Pᵀ dO`` of one chunk and V block: the part of dU that does not depend on the reverse recurrence,
-    out of the sequential loop."""
+    out of the sequential loop. U_FROM_STATES: also ``U = U0 − W S0`` (in place of U0) from the per-chunk states
+    that the forward kept, as the forward loop computed it (16-bit W and S0 on a GPU): no recomputed loop."""
     c, h, cv, s, r, rv = _chunk_vblock(cstart_ptr, cend_ptr, V, BV)
-    mv2 = rv[:, None] & (cv < V)[None, :]
+    mv = cv < V
+    mv2 = rv[:, None] & mv[None, :]
     aqk = tl.load(aqk_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None], other=0.0)
     offv = s * (H * V) + h * V + r[:, None] * (H * V) + cv[None, :]
     do = tl.load(do_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
     tl.store(dus_ptr + offv, tl.dot(tl.trans(aqk), do), mask=mv2)
+    if U_FROM_STATES:
+        ck = tl.arange(0, BK)
+        mk = ck < K
+        w = tl.load(w_ptr + s * (H * K) + h * K + r[:, None] * (H * K) + ck[None, :], mask=rv[:, None] & mk[None, :],
+                    other=0.0)
+        s0 = tl.load(hs_ptr + (c * H + h).to(tl.int64) * (K * V) + ck[:, None] * V + cv[None, :],
+                     mask=mk[:, None] & mv[None, :], other=0.0)
+        u = tl.load(us_ptr + offv, mask=mv2, other=0.0) - _lp_dot(w, s0, LP)
+        tl.store(us_ptr + offv, u, mask=mv2)
 
 
 @triton.jit
@@ -801,8 +814,9 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     """Run the forward kernels on flat ``[TT, H, *]`` tensors; ``gate = (mode, exp(A_log) [H], dt_bias [H*K],
     lower_bound)`` (mode 0: ``g`` is the log-decay; 1 bounded / 2 softplus: ``g`` is the raw gate input).
     ``keep_prep``: also return ``T = (I + A_kk)⁻¹`` and Γ (for the autograd forward: its backward then passes
-    ``prep = (A_qk, T, Γ)`` back and skips the gate, intra and solve kernels). Returns a dict of outputs and
-    intermediates."""
+    ``prep = (A_qk, T, Γ, states)`` back and skips the gate, intra and solve kernels, and with the per-chunk states
+    (or None) the chunk loop too: it returns U0 as ``us``, for ``_bwd_du0_kernel`` to turn into U). Returns a dict
+    of outputs and intermediates."""
     TT, H, K = q.shape
     V = v.shape[-1]
     cu, coff, cstart, cend, NC = tables
@@ -811,8 +825,9 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     f32 = dict(device=q.device, dtype=torch.float32)
     mode, a, dtb, lb = gate
     # allocated in order of use and freed early: a 1M-token forward keeps only what the chunk loop reads
+    hs_kept = None
     if prep is not None:
-        aqk, tinv, gam = prep
+        aqk, tinv, gam, hs_kept = prep
     else:
         gam = torch.empty(TT, H, K, **f32)
         aqk, tinv = torch.empty(TT, H, 64, **f32), torch.empty(TT, H, 64, **f32)
@@ -849,6 +864,9 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
         out["gam"] = gam
     elif keep_states:
         gam = None  # read again only by a loop that writes O: its bytes go to the per-chunk states
+    if hs_kept is not None:  # the backward, with the forward's states: U = U0 - W S0 in _bwd_du0_kernel
+        out.update(o=None, ht=None, hs=hs_kept, us=u0)
+        return out
     ht = torch.empty(N, H, K, V, **f32) if (output_final_state and not for_backward) else None
     hs = torch.empty(max(NC, 1), H, K, V, **lp) if keep_states else None
     o = None if for_backward else torch.empty(TT, H, V, device=q.device, dtype=q.dtype)
@@ -877,6 +895,7 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep=Non
     N = cu.numel() - 1
     BK, BVf, BV = _launch_cfg(K, V)
     fw = _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, False, for_backward=True, prep=prep)
+    kept_states = prep is not None and prep[3] is not None  # fw["us"] holds U0: U = U0 - W S0 in _bwd_du0_kernel
     f32 = dict(device=q.device, dtype=torch.float32)
     dhs = torch.empty_like(fw["hs"])  # 16-bit with 16-bit inputs, as the states
     dus = torch.empty(TT, H, V, **f32)
@@ -884,7 +903,8 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep=Non
     do = do.contiguous()
     if NC > 0:
         BVo = min(BVf, 64)
-        _bwd_du0_kernel[(NC * triton.cdiv(V, BVo), H)](fw["aqk"], do, dus, cstart, cend, H, V, BVo,
+        _bwd_du0_kernel[(NC * triton.cdiv(V, BVo), H)](fw["aqk"], do, dus, fw["us"], fw["w"], fw["hs"], cstart, cend,
+                                                      H, K, V, BK, BVo, U_FROM_STATES=kept_states, LP=q.is_cuda,
                                                       **LAUNCH["bwd_du0"])
     # the reverse loop keeps 32-wide V blocks: at 16 it was slower, and wrong at 8 warps in triton 3.6 (H200)
     few = _few_loop_programs(BV, N, H, V, q.device)
@@ -937,8 +957,11 @@ class _ChunkKDAFunction(torch.autograd.Function):
         fw = _forward(*flat, bflat, _gate_args(mode, A_log, dt_bias, lb, H, K, q.device), scale, h0c, tables, safe,
                       output_final_state, keep_prep=grad)
         # A_qk, T (fp32, [B*T, H, 64] each) and Γ (fp32, like g) are kept for the backward: it skips the gate, intra
-        # and solve kernels
-        prep = (fw["aqk"], fw["tinv"], fw["gam"]) if grad else (None, None, None)
+        # and solve kernels; and the per-chunk states (16-bit with 16-bit inputs, [chunks, H, K, V]: 512 B per token
+        # and head at K = V = 128) when they take at most STATES_LIMIT_BYTES: it skips the chunk loop too
+        hs = fw["hs"]
+        hs = hs if hs is not None and hs.numel() * hs.element_size() <= STATES_LIMIT_BYTES else None
+        prep = (fw["aqk"], fw["tinv"], fw["gam"], hs) if grad else (None, None, None, None)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, *prep)
         ctx.tables, ctx.scale, ctx.safe, ctx.mode, ctx.lb = tables, scale, safe, mode, lb
         return fw["o"].reshape(B, T, H, V), fw["ht"]
