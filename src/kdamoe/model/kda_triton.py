@@ -814,9 +814,9 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     """Run the forward kernels on flat ``[TT, H, *]`` tensors; ``gate = (mode, exp(A_log) [H], dt_bias [H*K],
     lower_bound)`` (mode 0: ``g`` is the log-decay; 1 bounded / 2 softplus: ``g`` is the raw gate input).
     ``keep_prep``: also return ``T = (I + A_kk)⁻¹`` and Γ (for the autograd forward: its backward then passes
-    ``prep = (A_qk, T, Γ, states)`` back and skips the gate, intra and solve kernels, and with the per-chunk states
-    (or None) the chunk loop too: it returns U0 as ``us``, for ``_bwd_du0_kernel`` to turn into U). Returns a dict
-    of outputs and intermediates."""
+    ``prep = (A_qk, T, Γ or None, states or None)`` back and skips the intra and solve kernels, with Γ the gate
+    kernel, with the per-chunk states the chunk loop: it then returns U0 as ``us``, for ``_bwd_du0_kernel`` to turn
+    into U). Returns a dict of outputs and intermediates."""
     TT, H, K = q.shape
     V = v.shape[-1]
     cu, coff, cstart, cend, NC = tables
@@ -825,14 +825,15 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     f32 = dict(device=q.device, dtype=torch.float32)
     mode, a, dtb, lb = gate
     # allocated in order of use and freed early: a 1M-token forward keeps only what the chunk loop reads
-    hs_kept = None
-    if prep is not None:
-        aqk, tinv, gam, hs_kept = prep
-    else:
+    aqk, tinv, gam, hs_kept = prep if prep is not None else (None, None, None, None)
+    if gam is None:
         gam = torch.empty(TT, H, K, **f32)
+        if NC > 0:
+            _gate_cumsum_kernel[(NC, H)](g, a, dtb, gam, cstart, cend, lb, H, K, BK, GATE=mode,
+                                         **LAUNCH["gate_cumsum"])
+    if prep is None:
         aqk, tinv = torch.empty(TT, H, 64, **f32), torch.empty(TT, H, 64, **f32)
     if NC > 0 and prep is None:
-        _gate_cumsum_kernel[(NC, H)](g, a, dtb, gam, cstart, cend, lb, H, K, BK, GATE=mode, **LAUNCH["gate_cumsum"])
         akk = torch.empty(TT, H, 64, **f32)
         _intra_kernel[(NC * 4, H)](q, k, gam, beta, akk, aqk, cstart, cend, scale, H, K, BK, SAFE=safe,
                                   **LAUNCH["intra"])
@@ -956,12 +957,13 @@ class _ChunkKDAFunction(torch.autograd.Function):
         h0c = None if h0 is None else h0.contiguous()
         fw = _forward(*flat, bflat, _gate_args(mode, A_log, dt_bias, lb, H, K, q.device), scale, h0c, tables, safe,
                       output_final_state, keep_prep=grad)
-        # A_qk, T (fp32, [B*T, H, 64] each) and Γ (fp32, like g) are kept for the backward: it skips the gate, intra
-        # and solve kernels; and the per-chunk states (16-bit with 16-bit inputs, [chunks, H, K, V]: 512 B per token
-        # and head at K = V = 128) when they take at most STATES_LIMIT_BYTES: it skips the chunk loop too
+        # A_qk and T (fp32, [B*T, H, 64] each) are kept for the backward: it skips the intra and solve kernels; and
+        # the per-chunk states (16-bit with 16-bit inputs, [chunks, H, K, V]: 512 B per token and head at K = V =
+        # 128) when they take at most STATES_LIMIT_BYTES: it skips the chunk loop too. Γ (fp32, 512 B per token and
+        # head) is not: the gate kernel runs again (0.13 ms at 4x8K, H200) where the loop took 0.36-1 ms
         hs = fw["hs"]
         hs = hs if hs is not None and hs.numel() * hs.element_size() <= STATES_LIMIT_BYTES else None
-        prep = (fw["aqk"], fw["tinv"], fw["gam"], hs) if grad else (None, None, None, None)
+        prep = (fw["aqk"], fw["tinv"], None, hs) if grad else (None, None, None, None)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, *prep)
         ctx.tables, ctx.scale, ctx.safe, ctx.mode, ctx.lb = tables, scale, safe, mode, lb
         return fw["o"].reshape(B, T, H, V), fw["ht"]
