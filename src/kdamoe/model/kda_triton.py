@@ -233,11 +233,14 @@ def _solve_kernel(akk_ptr, tinv_ptr, cstart_ptr, cend_ptr, H):
 
 
 @triton.jit
-def _wu_kernel(q_ptr, k_ptr, v_ptr, b_ptr, gam_ptr, tinv_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, dl_ptr, cstart_ptr,
-               cend_ptr, scale, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               STORE_QG: tl.constexpr):
+def _wu_kernel(q_ptr, k_ptr, v_ptr, b_ptr, gam_ptr, tinv_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, dl_ptr, hs_ptr,
+               cstart_ptr, cend_ptr, scale, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               STORE_QG: tl.constexpr, U_FROM_STATES: tl.constexpr, LP: tl.constexpr):
     """``W = T (β K e^Γ)``, ``U0 = T (β V)``, and for the chunk loops ``K e^{Γ_C − Γ}``, ``e^{Γ_C}`` and (STORE_QG,
-    for the backward) ``scale Q e^Γ``; the columns in slices of BK (K) and BV (V), T kept in registers."""
+    for the backward) ``scale Q e^Γ``; the columns in slices of BK (K) and BV (V), T kept in registers.
+    U_FROM_STATES (the backward, with the per-chunk states S0 that the forward kept): ``U = U0 − W S0`` in place of
+    U0, as the forward loop computes it (the stored 16-bit W; on a GPU 16-bit S0 and tensor cores), so that no
+    chunk loop runs again."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.load(cstart_ptr + c).to(tl.int64)
@@ -268,12 +271,24 @@ def _wu_kernel(q_ptr, k_ptr, v_ptr, b_ptr, gam_ptr, tinv_ptr, w_ptr, u_ptr, qg_p
             qq = tl.load(q_ptr + offk, mask=m2, other=0.0).to(tl.float32)
             tl.store(qg_ptr + offk, (qq * eg * scale).to(qg_ptr.dtype.element_ty), mask=m2)
         tl.store(dl_ptr + (c * H + h).to(tl.int64) * K + ck, tl.exp(glast), mask=mk)
+    if U_FROM_STATES:
+        tl.debug_barrier()  # W, stored above by all of this program's threads, is read back below
     for iv in range(0, V, BV):
         cv = iv + tl.arange(0, BV)
+        mv = cv < V
         offv = s * (H * V) + h * V + r[:, None] * (H * V) + cv[None, :]
-        mv2 = rv[:, None] & (cv < V)[None, :]
+        mv2 = rv[:, None] & mv[None, :]
         vv = tl.load(v_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
-        tl.store(u_ptr + offv, tl.dot(tinv, vv * beta[:, None]).to(u_ptr.dtype.element_ty), mask=mv2)
+        u = tl.dot(tinv, vv * beta[:, None])
+        if U_FROM_STATES:
+            for k0 in range(0, K, BK):
+                ck = k0 + tl.arange(0, BK)
+                mk = ck < K
+                w = tl.load(w_ptr + r[:, None] * (H * K) + ck[None, :], mask=rv[:, None] & mk[None, :], other=0.0)
+                s0 = tl.load(hs_ptr + (c * H + h).to(tl.int64) * (K * V) + ck[:, None] * V + cv[None, :],
+                             mask=mk[:, None] & mv[None, :], other=0.0)
+                u -= _lp_dot(w, s0, LP)
+        tl.store(u_ptr + offv, u.to(u_ptr.dtype.element_ty), mask=mv2)
 
 
 @triton.jit
@@ -431,28 +446,15 @@ def _bwd_state_kernel(qg_ptr, kd_ptr, dl_ptr, w_ptr, do_ptr, dht_ptr, dh0_ptr, d
 
 
 @triton.jit
-def _bwd_du0_kernel(aqk_ptr, do_ptr, dus_ptr, us_ptr, w_ptr, hs_ptr, cstart_ptr, cend_ptr, H, K: tl.constexpr,
-                    V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, U_FROM_STATES: tl.constexpr,
-                    LP: tl.constexpr):
+def _bwd_du0_kernel(aqk_ptr, do_ptr, dus_ptr, cstart_ptr, cend_ptr, H, V: tl.constexpr, BV: tl.constexpr):
     """``dU0 = Pᵀ dO`` of one chunk and V block: the part of dU that does not depend on the reverse recurrence,
-    out of the sequential loop. U_FROM_STATES: also ``U = U0 − W S0`` (in place of U0) from the per-chunk states
-    that the forward kept, as the forward loop computed it (16-bit W and S0 on a GPU): no recomputed loop."""
+    out of the sequential loop."""
     c, h, cv, s, r, rv = _chunk_vblock(cstart_ptr, cend_ptr, V, BV)
-    mv = cv < V
-    mv2 = rv[:, None] & mv[None, :]
+    mv2 = rv[:, None] & (cv < V)[None, :]
     aqk = tl.load(aqk_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None], other=0.0)
     offv = s * (H * V) + h * V + r[:, None] * (H * V) + cv[None, :]
     do = tl.load(do_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
     tl.store(dus_ptr + offv, tl.dot(tl.trans(aqk), do), mask=mv2)
-    if U_FROM_STATES:
-        ck = tl.arange(0, BK)
-        mk = ck < K
-        w = tl.load(w_ptr + s * (H * K) + h * K + r[:, None] * (H * K) + ck[None, :], mask=rv[:, None] & mk[None, :],
-                    other=0.0)
-        s0 = tl.load(hs_ptr + (c * H + h).to(tl.int64) * (K * V) + ck[:, None] * V + cv[None, :],
-                     mask=mk[:, None] & mv[None, :], other=0.0)
-        u = tl.load(us_ptr + offv, mask=mv2, other=0.0) - _lp_dot(w, s0, LP)
-        tl.store(us_ptr + offv, u, mask=mv2)
 
 
 @triton.jit
@@ -815,8 +817,8 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     lower_bound)`` (mode 0: ``g`` is the log-decay; 1 bounded / 2 softplus: ``g`` is the raw gate input).
     ``keep_prep``: also return ``T = (I + A_kk)⁻¹`` and Γ (for the autograd forward: its backward then passes
     ``prep = (A_qk, T, Γ or None, states or None)`` back and skips the intra and solve kernels, with Γ the gate
-    kernel, with the per-chunk states the chunk loop: it then returns U0 as ``us``, for ``_bwd_du0_kernel`` to turn
-    into U). Returns a dict of outputs and intermediates."""
+    kernel, with the per-chunk states the chunk loop: ``_wu_kernel`` then computes U from them). Returns a dict of
+    outputs and intermediates."""
     TT, H, K = q.shape
     V = v.shape[-1]
     cu, coff, cstart, cend, NC = tables
@@ -855,9 +857,10 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     qg = torch.empty(TT, H, K, **lp) if keep_states else None
     dl = torch.empty(max(NC, 1), H, K, **f32)
     if NC > 0:
-        _wu_kernel[(NC, H)](q, k, v, beta, gam, tinv, w, u0, qg if keep_states else w, kd, dl, cstart, cend,
-                            scale, H, K, V, min(BK, SLICE["wu_k"]), min(BVf, SLICE["wu_v"]), STORE_QG=keep_states,
-                            **LAUNCH["wu"])
+        _wu_kernel[(NC, H)](q, k, v, beta, gam, tinv, w, u0, qg if keep_states else w, kd, dl,
+                            hs_kept if hs_kept is not None else dl, cstart, cend, scale, H, K, V,
+                            min(BK, SLICE["wu_k"]), min(BVf, SLICE["wu_v"]), STORE_QG=keep_states,
+                            U_FROM_STATES=hs_kept is not None, LP=q.is_cuda, **LAUNCH["wu"])
     out = dict(aqk=aqk, tinv=tinv, w=w, qg=qg, kd=kd, dl=dl)
     if not (for_backward or keep_prep):
         del out["tinv"], tinv
@@ -865,7 +868,7 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
         out["gam"] = gam
     elif keep_states:
         gam = None  # read again only by a loop that writes O: its bytes go to the per-chunk states
-    if hs_kept is not None:  # the backward, with the forward's states: U = U0 - W S0 in _bwd_du0_kernel
+    if hs_kept is not None:  # the backward, with the forward's states: _wu_kernel computed U, no loop
         out.update(o=None, ht=None, hs=hs_kept, us=u0)
         return out
     ht = torch.empty(N, H, K, V, **f32) if (output_final_state and not for_backward) else None
@@ -896,7 +899,6 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep=Non
     N = cu.numel() - 1
     BK, BVf, BV = _launch_cfg(K, V)
     fw = _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, False, for_backward=True, prep=prep)
-    kept_states = prep is not None and prep[3] is not None  # fw["us"] holds U0: U = U0 - W S0 in _bwd_du0_kernel
     f32 = dict(device=q.device, dtype=torch.float32)
     dhs = torch.empty_like(fw["hs"])  # 16-bit with 16-bit inputs, as the states
     dus = torch.empty(TT, H, V, **f32)
@@ -904,8 +906,7 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep=Non
     do = do.contiguous()
     if NC > 0:
         BVo = min(BVf, 64)
-        _bwd_du0_kernel[(NC * triton.cdiv(V, BVo), H)](fw["aqk"], do, dus, fw["us"], fw["w"], fw["hs"], cstart, cend,
-                                                      H, K, V, BK, BVo, U_FROM_STATES=kept_states, LP=q.is_cuda,
+        _bwd_du0_kernel[(NC * triton.cdiv(V, BVo), H)](fw["aqk"], do, dus, cstart, cend, H, V, BVo,
                                                       **LAUNCH["bwd_du0"])
     # the reverse loop keeps 32-wide V blocks: at 16 it was slower, and wrong at 8 warps in triton 3.6 (H200)
     few = _few_loop_programs(BV, N, H, V, q.device)
