@@ -19,12 +19,14 @@ softplus gate) the diagonal sub-blocks are computed pair by pair with masked exp
 
 Forward kernels: ``_gate_cumsum`` (fused gate, Γ), ``_intra`` (A_kk, A_qk per 16-row block), ``_solve`` (T by 16×16
 blocks), ``_wu`` (W, U0 and the loop's operands), ``_fwd_state`` (per sequence, head and V block: the sequential
-chunk loop) and ``_fwd_o`` (O per chunk, in parallel, from the stored states). Backward: W / U0 and the chunk loop
-are recomputed (the autograd forward keeps only the inputs, A_qk, T and Γ — as fla-core's, which keeps Γ, A_qk and
-A_kk⁻¹: memory linear in T), then ``_bwd_du0`` (Pᵀ dO), ``_bwd_state`` (the reverse loop carrying dS), ``_bwd_v``
-(sums over V), ``_bwd_da`` (dA = −Tᵀ dT Tᵀ), ``_bwd_intra`` (dq, dk, dβ and dΓ per 16-row block: dense and
-pairwise terms) and ``_bwd_dg`` (suffix sums of dΓ and the gate's chain rule). Launch settings per kernel:
-``LAUNCH``. The q/k L2 norm runs in torch before the kernels.
+chunk loop) and ``_fwd_o`` (O per chunk, in parallel, from the stored states). Backward: the autograd forward keeps
+the inputs, A_qk, T and the per-chunk states (memory linear in T: 1.25 KB per token and head at K = V = 128 with
+bf16 inputs, output included; fla-core keeps 0.5 KB and recomputes its states); the backward recomputes Γ and W, U0
+(``_wu`` turns U0 into U from the kept states: no second chunk loop; above ``STATES_LIMIT_BYTES`` of states the loop
+runs again instead), then ``_bwd_du0`` (Pᵀ dO), ``_bwd_state`` (the reverse loop carrying dS), ``_bwd_v`` (sums
+over V), ``_bwd_da`` (dA = −Tᵀ dT Tᵀ, Tᵀ dW), ``_bwd_intra`` (dq, dk, dβ and dΓ per 16-row block: dense and pairwise
+terms) and ``_bwd_dg`` (suffix sums of dΓ and the gate's chain rule). Launch settings per kernel: ``LAUNCH``. The
+q/k L2 norm runs in torch before the kernels.
 """
 
 import torch
@@ -35,8 +37,9 @@ CHUNK = 64
 GATES = ("bounded", "softplus")
 L2NORM_EPS = 1e-6
 # The forward keeps per-chunk states (then O runs in a parallel kernel: faster) when they take at most this many
-# bytes more than the fp32 Γ (head dim 128: the same bytes; the output-only forward frees Γ before allocating them,
-# the autograd forward keeps it for the backward); else (V > K at very long T) the chunk loop writes O itself.
+# bytes more than the fp32 Γ (head dim 128: the same bytes; the forward frees Γ before allocating them); else (V > K
+# at very long T) the chunk loop writes O itself. The autograd forward keeps the states for the backward when they
+# take at most this many bytes (else the backward runs the chunk loop again).
 STATES_LIMIT_BYTES = 4 << 30
 # Launch settings per kernel on CUDA (the CPU interpreter ignores them), as timed on an H200 by
 # benchmarks/tune_kda_kernels.py; the forward loop takes 2 pipeline stages where shared memory allows (BK <= 128).
@@ -815,10 +818,10 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
              keep_prep=False, prep=None):
     """Run the forward kernels on flat ``[TT, H, *]`` tensors; ``gate = (mode, exp(A_log) [H], dt_bias [H*K],
     lower_bound)`` (mode 0: ``g`` is the log-decay; 1 bounded / 2 softplus: ``g`` is the raw gate input).
-    ``keep_prep``: also return ``T = (I + A_kk)⁻¹`` and Γ (for the autograd forward: its backward then passes
-    ``prep = (A_qk, T, Γ or None, states or None)`` back and skips the intra and solve kernels, with Γ the gate
-    kernel, with the per-chunk states the chunk loop: ``_wu_kernel`` then computes U from them). Returns a dict of
-    outputs and intermediates."""
+    ``keep_prep``: also return ``T = (I + A_kk)⁻¹`` (for the autograd forward: its backward then passes ``prep =
+    (A_qk, T, Γ or None, states or None)`` back and skips the intra and solve kernels, with Γ the gate kernel, with
+    the per-chunk states the chunk loop: ``_wu_kernel`` then computes U from them). Returns a dict of outputs and
+    intermediates."""
     TT, H, K = q.shape
     V = v.shape[-1]
     cu, coff, cstart, cend, NC = tables
@@ -864,7 +867,7 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     out = dict(aqk=aqk, tinv=tinv, w=w, qg=qg, kd=kd, dl=dl)
     if not (for_backward or keep_prep):
         del out["tinv"], tinv
-    if for_backward or keep_prep:
+    if for_backward:
         out["gam"] = gam
     elif keep_states:
         gam = None  # read again only by a loop that writes O: its bytes go to the per-chunk states
