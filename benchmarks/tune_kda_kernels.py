@@ -6,7 +6,9 @@ pairs), and runs one bf16 forward+backward (H=16, head dim 128, bounded fused ga
 kernel's mean time over ``--iters`` runs, per size. Round 0 is the current table. The rounds compile first in
 parallel worker processes (triton's disk cache), then run one after another here. Every round's outputs and
 gradients are compared with round 0's (a launch setting must not change results beyond rounding order). Prints one
-table per kernel, the fastest setting marked, and writes JSON.
+table per kernel, the fastest setting marked; then, per slice set, the whole forward+backward (``do_bench``) with
+every kernel at its fastest setting against the current table — a kernel's best setting can lose in the whole
+sequence (session 9: two picks, each faster on its own, made forward+backward 2-3 % slower). Writes JSON.
 
     PYTHONPATH=src python benchmarks/tune_kda_kernels.py [--sizes 4x8192,1x32768] \
         [--slices '[{}, {"wu_k": 32, "wu_v": 32}]']
@@ -18,6 +20,7 @@ import multiprocessing as mp
 import os
 
 import torch
+from triton.testing import do_bench
 
 import bench_kda
 from kdamoe.model import kda_triton
@@ -103,6 +106,18 @@ def kernel_times(x, do, iters):
     return times
 
 
+def combined_launch(rounds, times, slice_set):
+    """LAUNCH with every kernel at its fastest candidate among the rounds of ``slice_set``; ``times[r]`` maps
+    kernel name -> ms for round r (rounds that failed are missing)."""
+    launch = {name: dict(cfg) for name, cfg in CURRENT.items()}
+    for name in launch:
+        rows = [(times[r][name], r) for r, (_, sl) in enumerate(rounds)
+                if sl == slice_set and r in times and name in times[r]]
+        if name not in SKIP and rows:
+            launch[name] = round_config(rounds[min(rows)[1]][0])[name]
+    return launch
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="4x8192,1x32768")
@@ -147,6 +162,22 @@ def main():
             for r, t in rows:
                 d = res["rounds"][f"{size} {r}"]["diff_vs_round0"]
                 print(f"  {'*' if r == best else ' '} {t:8.3f} ms  diff {d:.1e}  {labels[r]}")
+        # the picks together, in the whole forward+backward
+        times = {r: res["rounds"][f"{size} {r}"]["times"] for r in range(len(rounds)) if f"{size} {r}" in res["rounds"]}
+        set_round(rounds[0])
+        whole = {"current": do_bench(lambda: fwdbwd(x, do), warmup=25, rep=200, return_mode="median")}
+        print(f"\n{size} whole forward+backward: current {whole['current']:.3f} ms")
+        for sl in slices:
+            kda_triton.LAUNCH.clear()
+            kda_triton.LAUNCH.update(combined_launch(rounds, times, sl))
+            kda_triton.SLICE.clear()
+            kda_triton.SLICE.update(CURRENT_SLICE, **sl)
+            out = fwdbwd(x, do)
+            diff = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(out, ref))
+            ms = do_bench(lambda: fwdbwd(x, do), warmup=25, rep=200, return_mode="median")
+            whole[f"picks {sl or ''}".strip()] = ms
+            print(f"  every kernel at its fastest {sl or ''}: {ms:.3f} ms ({whole['current'] / ms:.3f}x)  diff {diff:.1e}")
+        res.setdefault("whole_fwd_bwd_ms", {})[size] = whole
     set_round(rounds[0])
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
