@@ -90,6 +90,11 @@ def compile_round(args):
         return r, f"{type(err).__name__}: {str(err)[:200]}"
 
 
+def rel_diff(out, ref):
+    """Largest relative difference of the outputs and gradients of one run from another's."""
+    return max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(out, ref))
+
+
 def kernel_times(x, do, iters):
     fwdbwd(x, do)
     torch.cuda.synchronize()
@@ -146,8 +151,7 @@ def main():
                 print(f"round {r} {labels[r]}: {errors[r]}")
                 continue
             set_round(rnd)
-            out = fwdbwd(x, do)
-            diff = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(out, ref))
+            diff = rel_diff(fwdbwd(x, do), ref)
             res["rounds"][f"{size} {r}"] = dict(times=kernel_times(x, do, args.iters), diff_vs_round0=diff)
         for name in kda_triton.LAUNCH:
             if name in SKIP:
@@ -172,8 +176,7 @@ def main():
             kda_triton.LAUNCH.update(combined_launch(rounds, times, sl))
             kda_triton.SLICE.clear()
             kda_triton.SLICE.update(CURRENT_SLICE, **sl)
-            out = fwdbwd(x, do)
-            diff = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(out, ref))
+            diff = rel_diff(fwdbwd(x, do), ref)
             ms = do_bench(lambda: fwdbwd(x, do), warmup=25, rep=200, return_mode="median")
             whole[f"picks {sl or ''}".strip()] = ms
             print(f"  every kernel at its fastest {sl or ''}: {ms:.3f} ms ({whole['current'] / ms:.3f}x)  diff {diff:.1e}")

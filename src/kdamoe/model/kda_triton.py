@@ -895,7 +895,7 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     return out
 
 
-def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep=None):
+def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep):
     TT, H, K = q.shape
     V = v.shape[-1]
     cu, coff, cstart, cend, NC = tables
@@ -932,7 +932,7 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep=Non
     if NC > 0:
         dqg, dkd, dw, dgam, dge = (torch.empty(TT, H, K, **f32) for _ in range(5))
         da = torch.empty(TT, H, 64, **f32)  # dT from _bwd_v, then dA in place (_bwd_da); dw becomes Tᵀ dW there
-        dp = torch.empty_like(fw["aqk"]) if prep is not None else fw["aqk"]  # a recomputed A_qk's buffer takes dP
+        dp = torch.empty(TT, H, 64, **f32)
         db32 = torch.empty(TT, H, **f32)
         dgc = torch.empty(NC, H, K, **f32)
         _bwd_v_kernel[(NC, H)](v, beta, fw["tinv"], fw["hs"], dhs, fw["us"], dus, do, dv, dqg, dkd, dw, da, dp, db32,
