@@ -150,9 +150,9 @@ def peak_forward(fn, x, gate):
     return ms, torch.cuda.max_memory_allocated() / 2**30, ok
 
 
-def profile_ours():
-    """Per-kernel CUDA times of one forward and one forward+backward of ours, 1x32K, both gates."""
-    x = make(1, 32768)
+def profile_ours(B, T):
+    """Per-kernel CUDA times of one forward and one forward+backward of ours, both gates."""
+    x = make(B, T)
     leaves = {n: x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta")}
     for gate in ("bounded", "softplus"):
         for bwd in (False, True):
@@ -166,7 +166,7 @@ def profile_ours():
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 step()
                 torch.cuda.synchronize()
-            print(f"ours-{gate}, 1x32K {'fwd+bwd' if bwd else 'fwd'}, per kernel:")
+            print(f"ours-{gate}, {B}x{T} {'fwd+bwd' if bwd else 'fwd'}, per kernel:")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=40))
     del leaves
 
@@ -215,7 +215,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small sizes only")
     ap.add_argument("--fwd-only", action="store_true", help="skip the backward checks and timings")
-    ap.add_argument("--profile", action="store_true", help="per-kernel times of ours, 1x32K fwd+bwd")
+    ap.add_argument("--profile", action="store_true", help="per-kernel times of ours at the first of --sizes")
     ap.add_argument("--sizes", default="4x8192,1x32768,1x131072", help="comma-separated BxT")
     ap.add_argument("--impls", default="ours-bounded,ours-softplus,fla-bounded,sdpa", help="comma-separated")
     ap.add_argument("--skip-checks", action="store_true", help="no float64 / GPU checks (timings only)")
@@ -249,11 +249,11 @@ def main():
         for name, (fn, gate) in impls.items():
             res["errors"][name] = check(fn, gate, backward=not args.fwd_only)
             print(name, "rel err vs float64:", {k: f"{v:.1e}" for k, v in res["errors"][name].items()}, flush=True)
-    if args.profile and not args.fwd_only:
-        profile_ours()
     if "sdpa" in wanted:
         impls["sdpa"] = (run_sdpa, None)
     sizes = [(1, 8192)] if args.quick else [tuple(int(x) for x in bt.split("x")) for bt in args.sizes.split(",")]
+    if args.profile and not args.fwd_only:
+        profile_ours(*sizes[0])
     for B, T in sizes:
         x = make(B, T)
         for name, (fn, gate) in impls.items():
