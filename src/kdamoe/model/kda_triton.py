@@ -257,7 +257,8 @@ def _wu_kernel(q_ptr, k_ptr, v_ptr, b_ptr, gam_ptr, tinv_ptr, w_ptr, u_ptr, qg_p
     w_ptr += base
     qg_ptr += base
     kd_ptr += base
-    tinv = tl.load(tinv_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None], other=0.0)
+    tinv = tl.load(tinv_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None],
+                   other=0.0).to(tl.float32)
     beta = tl.load(b_ptr + s * H + r * H + h, mask=rv, other=0.0).to(tl.float32)
     for k0 in range(0, K, BK):
         ck = k0 + tl.arange(0, BK)
@@ -359,7 +360,7 @@ def _fwd_state_kernel(q_ptr, gam_ptr, aqk_ptr, o_ptr, kd_ptr, dl_ptr, w_ptr, u_p
             qg = tl.load(q_ptr + bk + offk, mask=m2, other=0.0).to(tl.float32)
             qg *= tl.exp(tl.load(gam_ptr + bk + offk, mask=m2, other=0.0)) * scale
             aqk = tl.load(aqk_ptr + t0 * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None],
-                          other=0.0)
+                          other=0.0).to(tl.float32)
             o = tl.dot(qg, S) + tl.dot(aqk, u)
             tl.store(o_ptr + bv + offv, o.to(o_ptr.dtype.element_ty), mask=mv2)
         kd = tl.load(kd_ptr + bk + offk, mask=m2, other=0.0)
@@ -396,7 +397,8 @@ def _fwd_o_kernel(qg_ptr, aqk_ptr, hs_ptr, us_ptr, o_ptr, cstart_ptr, cend_ptr, 
     qg = tl.load(qg_ptr + offk, mask=m2, other=0.0).to(tl.float32)
     s0 = tl.load(hs_ptr + (c * H + h).to(tl.int64) * (K * V) + ck[:, None] * V + cv[None, :],
                  mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
-    aqk = tl.load(aqk_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None], other=0.0)
+    aqk = tl.load(aqk_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None],
+                  other=0.0).to(tl.float32)
     offv = s * (H * V) + h * V + r[:, None] * (H * V) + cv[None, :]
     u = tl.load(us_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
     o = tl.dot(qg, s0) + tl.dot(aqk, u)
@@ -454,7 +456,8 @@ def _bwd_du0_kernel(aqk_ptr, do_ptr, dus_ptr, cstart_ptr, cend_ptr, H, V: tl.con
     out of the sequential loop."""
     c, h, cv, s, r, rv = _chunk_vblock(cstart_ptr, cend_ptr, V, BV)
     mv2 = rv[:, None] & (cv < V)[None, :]
-    aqk = tl.load(aqk_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None], other=0.0)
+    aqk = tl.load(aqk_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None],
+                  other=0.0).to(tl.float32)
     offv = s * (H * V) + h * V + r[:, None] * (H * V) + cv[None, :]
     do = tl.load(do_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
     tl.store(dus_ptr + offv, tl.dot(tl.trans(aqk), do), mask=mv2)
@@ -478,7 +481,7 @@ def _bwd_v_kernel(v_ptr, b_ptr, tinv_ptr, hs_ptr, dhs_ptr, us_ptr, dus_ptr, do_p
     offk = s * (H * K) + h * K + r[:, None] * (H * K) + ck[None, :]
     off64 = s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :]
     beta = tl.load(b_ptr + s * H + r * H + h, mask=rv, other=0.0).to(tl.float32)
-    tinv = tl.load(tinv_ptr + off64, mask=rv[:, None], other=0.0)
+    tinv = tl.load(tinv_ptr + off64, mask=rv[:, None], other=0.0).to(tl.float32)
     state_off = (c * H + h).to(tl.int64) * (K * V)
     dqg = tl.zeros((64, BK), dtype=tl.float32)
     dkd = tl.zeros((64, BK), dtype=tl.float32)
@@ -534,7 +537,7 @@ def _bwd_da_kernel(k_ptr, b_ptr, gam_ptr, tinv_ptr, dw_ptr, dkd_ptr, da_ptr, xpr
     off64 = s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :]
     beta = tl.load(b_ptr + s * H + r * H + h, mask=rv, other=0.0).to(tl.float32)
     dt = tl.load(da_ptr + off64, mask=rv[:, None], other=0.0)
-    tinv = tl.load(tinv_ptr + off64, mask=rv[:, None], other=0.0)
+    tinv = tl.load(tinv_ptr + off64, mask=rv[:, None], other=0.0).to(tl.float32)
     for kh in range(0, BK, KB):
         ck = kh + tl.arange(0, KB)
         mk = ck < K
@@ -837,7 +840,10 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
             _gate_cumsum_kernel[(NC, H)](g, a, dtb, gam, cstart, cend, lb, H, K, BK, GATE=mode,
                                          **LAUNCH["gate_cumsum"])
     if prep is None:
-        aqk, tinv = torch.empty(TT, H, 64, **f32), torch.empty(TT, H, 64, **f32)
+        # T in bf16 with bf16 inputs (as fla-core's A_kk⁻¹): half its bytes in `_wu`, `_bwd_v`, `_bwd_da` and kept
+        # for the backward; every dot reading it widens it to fp32
+        t16 = dict(device=q.device, dtype=torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32)
+        aqk, tinv = torch.empty(TT, H, 64, **f32), torch.empty(TT, H, 64, **t16)
     if NC > 0 and prep is None:
         akk = torch.empty(TT, H, 64, **f32)
         _intra_kernel[(NC * 4, H)](q, k, gam, beta, akk, aqk, cstart, cend, scale, H, K, BK, SAFE=safe,
