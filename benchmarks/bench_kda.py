@@ -157,6 +157,8 @@ def profile_ours(B, T):
     for gate in ("bounded", "softplus"):
         for bwd in (False, True):
             def step():
+                for t in leaves.values():
+                    t.grad = None  # as time_it: no gradient accumulation kernels in the table
                 o = run_ours(x, gate)
                 if bwd:
                     o.backward(torch.ones_like(x["v"]))
