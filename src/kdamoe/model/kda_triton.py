@@ -20,7 +20,7 @@ softplus gate) the diagonal sub-blocks are computed pair by pair with masked exp
 Forward kernels: ``_gate_cumsum`` (fused gate, Γ), ``_intra`` (A_kk, A_qk per 16-row block), ``_solve`` (T by 16×16
 blocks), ``_wu`` (W, U0 and the loop's operands), ``_fwd_state`` (per sequence, head and V block: the sequential
 chunk loop) and ``_fwd_o`` (O per chunk, in parallel, from the stored states). Backward: the autograd forward keeps
-the inputs, A_qk, T and the per-chunk states (memory linear in T: 1.25 KB per token and head at K = V = 128 with
+the inputs, A_qk, T and the per-chunk states (memory linear in T: 1.125 KB per token and head at K = V = 128 with
 bf16 inputs, output included; fla-core keeps 0.5 KB and recomputes its states); the backward recomputes Γ and W, U0
 (``_wu`` turns U0 into U from the kept states: no second chunk loop; above ``STATES_LIMIT_BYTES`` of states the loop
 runs again instead), then ``_bwd_du0`` (Pᵀ dO), ``_bwd_state`` (the reverse loop carrying dS), ``_bwd_v`` (sums
@@ -967,10 +967,11 @@ class _ChunkKDAFunction(torch.autograd.Function):
         h0c = None if h0 is None else h0.contiguous()
         fw = _forward(*flat, bflat, _gate_args(mode, A_log, dt_bias, lb, H, K, q.device), scale, h0c, tables, safe,
                       output_final_state, keep_prep=grad)
-        # A_qk and T (fp32, [B*T, H, 64] each) are kept for the backward: it skips the intra and solve kernels; and
-        # the per-chunk states (16-bit with 16-bit inputs, [chunks, H, K, V]: 512 B per token and head at K = V =
-        # 128) when they take at most STATES_LIMIT_BYTES: it skips the chunk loop too. Γ (fp32, 512 B per token and
-        # head) is not: the gate kernel runs again (0.13 ms at 4x8K, H200) where the loop took 0.36-1 ms
+        # A_qk (fp32) and T (bf16 with bf16 inputs), [B*T, H, 64] each, are kept for the backward: it skips the intra
+        # and solve kernels; and the per-chunk states (16-bit with 16-bit inputs, [chunks, H, K, V]: 512 B per token
+        # and head at K = V = 128) when they take at most STATES_LIMIT_BYTES: it skips the chunk loop too. Γ (fp32,
+        # 512 B per token and head) is not: the gate kernel runs again (0.13 ms at 4x8K, H200) where the loop took
+        # 0.36-1 ms
         hs = fw["hs"]
         hs = hs if hs is not None and hs.numel() * hs.element_size() <= STATES_LIMIT_BYTES else None
         prep = (fw["aqk"], fw["tinv"], None, hs) if grad else (None, None, None, None)
