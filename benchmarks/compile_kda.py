@@ -1,0 +1,120 @@
+"""Compile every KDA kernel launch of one forward+backward for an H100/H200 (sm_90) on a machine without a GPU, and
+print each kernel's registers, spill stack and shared memory: what limits occupancy and whether triton pipelined a
+loop's loads (its shared memory grows with `num_stages` only then), before spending device time on a version.
+
+The host code runs on CPU tensors with every kernel launch recorded instead of run; each launch is then compiled
+with the specialisations triton's launcher gives it on the GPU (16-byte-aligned pointers and multiples of 16 as
+divisibility hints, ints equal to 1 as constants — without the hints the loads are not vectorised, nothing is
+pipelined and the counts are far off: sessions 7-9 read such counts), and with the GPU's value of the flags that the host code derives from
+`q.is_cuda` (`LP`). Use the triton the device has (3.6 on our H200): a different triton compiles differently.
+
+    pip install --target /tmp/tr36 --no-deps triton==3.6.0
+    PYTHONPATH=/tmp/tr36:src python benchmarks/compile_kda.py [--dtype bf16] [--dim 128] [--heads 16] [--few]
+
+Checked against Nsight Compute on the H200 (session 10): `_fwd_state` 154 registers, 81,920 B shared; `_bwd_state`
+36,864 B — the same as here.
+"""
+import argparse
+import os
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton._C.libtriton import native_specialize_impl
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
+from triton.compiler import ASTSource
+
+from kdamoe.model import kda_triton
+
+GPU_FLAGS = {"LP": True}  # `LP=q.is_cuda` in the host code
+
+
+class Recorder:
+    """Stands in for a JIT kernel: ``kernel[grid](*args, **kwargs)`` records the launch instead of running it."""
+
+    def __init__(self, fn, launches):
+        self.fn, self.launches = fn, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.fn, args, kwargs))
+
+
+def specialise(fn, args, kwargs):
+    """(signature, constexprs, attrs, options) of one launch, by the specialisation triton's launcher applies on a
+    GPU (its own native routine: types, 16-byte alignment and multiples of 16, ints equal to 1 as constants)."""
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
+    values = dict(zip(fn.arg_names, args), **kwargs)
+    sig, consts, attrs = {}, {}, {}
+    for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
+        v = values.get(name, param.default)
+        if param.is_constexpr:
+            sig[name], consts[name] = "constexpr", GPU_FLAGS.get(name, v)
+            continue
+        ty, key = native_specialize_impl(CUDABackend, v, param.is_const, not param.do_not_specialize,
+                                         not param.do_not_specialize_on_alignment)
+        sig[name] = ty
+        if ty == "constexpr":
+            consts[name] = key
+        elif isinstance(key, str) and CUDABackend.parse_attr(key):
+            attrs[(i,)] = CUDABackend.parse_attr(key)
+    return sig, consts, attrs, options
+
+
+def resources(compiled):
+    """(registers, stack bytes) from the cubin, by the cuobjdump that ships with triton."""
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+    fields = dict(kv.split(":") for line in out.splitlines() if "REG:" in line for kv in line.split() if ":" in kv)
+    return int(fields["REG"]), int(fields["STACK"])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--dim", type=int, default=128, help="head dim K = V")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--gate", default="bounded", choices=["bounded", "softplus"])
+    ap.add_argument("--few", action="store_true", help="the launch settings for fewer loop programs than SMs")
+    args = ap.parse_args()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    H, D, T = args.heads, args.dim, 256
+    launches = []
+    kernels = {n: f for n, f in vars(kda_triton).items() if isinstance(f, triton.runtime.jit.JITFunction)}
+    few = kda_triton._few_loop_programs
+    for name, fn in kernels.items():
+        setattr(kda_triton, name, Recorder(fn, launches))
+    kda_triton._few_loop_programs = lambda *a: args.few
+    q, k = (torch.nn.functional.normalize(torch.randn(1, T, H, D), dim=-1).to(dtype) for _ in range(2))
+    v, g = torch.randn(1, T, H, D, dtype=dtype), torch.randn(1, T, H, D, dtype=dtype)
+    beta = torch.rand(1, T, H, dtype=dtype)
+    leaves = [x.requires_grad_() for x in (q, k, v, g, beta)]
+    o, _ = kda_triton.chunk_kda_triton(*leaves, use_gate_in_kernel=True, A_log=torch.zeros(H),
+                                       dt_bias=torch.zeros(H * D), gate=args.gate)
+    o.backward(torch.randn_like(o))
+    for name, fn in kernels.items():  # the kernels' helpers must be themselves again to compile
+        setattr(kda_triton, name, fn)
+    kda_triton._few_loop_programs = few
+    target = GPUTarget("cuda", 90, 32)
+    print(f"triton {triton.__version__}, sm_90, {args.dtype}, H={H}, K=V={D}, {args.gate} gate,"
+          f" {'few' if args.few else 'many'}-program loop settings")
+    print(f"{'kernel':22s} {'warps':>5s} {'stages':>6s} {'registers':>9s} {'stack B':>7s} {'shared B':>8s}")
+    seen = set()
+    for fn, a, kw in launches:
+        sig, consts, attrs, options = specialise(fn, a, dict(kw))
+        key = (fn.__name__, str(sig), str(consts), str(attrs), str(options))
+        if key in seen:
+            continue
+        seen.add(key)
+        compiled = triton.compile(ASTSource(fn, sig, consts, attrs), target=target, options=options)
+        regs, stack = resources(compiled)
+        print(f"{fn.__name__:22s} {options.get('num_warps', 4):5d} {options.get('num_stages', 3):6d} {regs:9d}"
+              f" {stack:7d} {compiled.metadata.shared:8d}")
+
+
+if __name__ == "__main__":
+    main()
