@@ -5,8 +5,9 @@ loop's loads (its shared memory grows with `num_stages` only then), before spend
 The host code runs on CPU tensors with every kernel launch recorded instead of run; each launch is then compiled
 with the specialisations triton's launcher gives it on the GPU (16-byte-aligned pointers and multiples of 16 as
 divisibility hints, ints equal to 1 as constants — without the hints the loads are not vectorised, nothing is
-pipelined and the counts are far off: sessions 7-9 read such counts), and with the GPU's value of the flags that the host code derives from
-`q.is_cuda` (`LP`). Use the triton the device has (3.6 on our H200): a different triton compiles differently.
+pipelined and the counts are far off: sessions 7-9 read such counts), and with the host code's GPU choices
+(`_lp`: 16-bit tensor-core dots; `_few_loop_programs`: which loop launch settings, `--few`). Use the triton the
+device has (3.6 on our H200): a different triton compiles differently.
 
     pip install --target /tmp/tr36 --no-deps triton==3.6.0
     PYTHONPATH=/tmp/tr36:src python benchmarks/compile_kda.py [--dtype bf16] [--dim 128] [--heads 16] [--few]
@@ -28,7 +29,6 @@ from triton.compiler import ASTSource
 
 from kdamoe.model import kda_triton
 
-GPU_FLAGS = {"LP": True}  # `LP=q.is_cuda` in the host code
 
 
 class Recorder:
@@ -50,7 +50,7 @@ def specialise(fn, args, kwargs):
     for i, (name, param) in enumerate(zip(fn.arg_names, fn.params)):
         v = values.get(name, param.default)
         if param.is_constexpr:
-            sig[name], consts[name] = "constexpr", GPU_FLAGS.get(name, v)
+            sig[name], consts[name] = "constexpr", v
             continue
         ty, key = native_specialize_impl(CUDABackend, v, param.is_const, not param.do_not_specialize,
                                          not param.do_not_specialize_on_alignment)
@@ -85,10 +85,10 @@ def main():
     H, D, T = args.heads, args.dim, 256
     launches = []
     kernels = {n: f for n, f in vars(kda_triton).items() if isinstance(f, triton.runtime.jit.JITFunction)}
-    few = kda_triton._few_loop_programs
+    host = kda_triton._lp, kda_triton._few_loop_programs
     for name, fn in kernels.items():
         setattr(kda_triton, name, Recorder(fn, launches))
-    kda_triton._few_loop_programs = lambda *a: args.few
+    kda_triton._lp, kda_triton._few_loop_programs = (lambda x: True), (lambda *a: args.few)
     q, k = (torch.nn.functional.normalize(torch.randn(1, T, H, D), dim=-1).to(dtype) for _ in range(2))
     v, g = torch.randn(1, T, H, D, dtype=dtype), torch.randn(1, T, H, D, dtype=dtype)
     beta = torch.rand(1, T, H, dtype=dtype)
@@ -98,7 +98,7 @@ def main():
     o.backward(torch.randn_like(o))
     for name, fn in kernels.items():  # the kernels' helpers must be themselves again to compile
         setattr(kda_triton, name, fn)
-    kda_triton._few_loop_programs = few
+    kda_triton._lp, kda_triton._few_loop_programs = host
     target = GPUTarget("cuda", 90, 32)
     print(f"triton {triton.__version__}, sm_90, {args.dtype}, H={H}, K=V={D}, {args.gate} gate,"
           f" {'few' if args.few else 'many'}-program loop settings")

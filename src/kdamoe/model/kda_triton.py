@@ -803,6 +803,12 @@ def _launch_cfg(K, V):
     return BK, BVf, min(BVf, 32)  # V split in 32-wide blocks: more programs for the sequential chunk loop
 
 
+def _lp(x):
+    """Whether dots with 16-bit operands run on 16-bit tensor cores (the kernels' `LP`): on a GPU. The CPU
+    interpreter widens them to fp32 (its bf16 dot multiplies raw bits in triton 3.9)."""
+    return x.is_cuda
+
+
 def _few_loop_programs(BV, N, H, V, device):
     """Whether a chunk loop over (V/BV blocks, N sequences, H heads) leaves SMs of a GPU idle (few long sequences)."""
     if device.type != "cuda":
@@ -869,7 +875,7 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
         _wu_kernel[(NC, H)](q, k, v, beta, gam, tinv, w, u0, qg if keep_states else w, kd, dl,
                             hs_kept if hs_kept is not None else dl, cstart, cend, scale, H, K, V,
                             min(BK, SLICE["wu_k"]), min(BVf, SLICE["wu_v"]), STORE_QG=keep_states,
-                            U_FROM_STATES=hs_kept is not None, LP=q.is_cuda, **LAUNCH["wu"])
+                            U_FROM_STATES=hs_kept is not None, LP=_lp(q), **LAUNCH["wu"])
     out = dict(aqk=aqk, tinv=tinv, w=w, qg=qg, kd=kd, dl=dl)
     if not (for_backward or keep_prep):
         del out["tinv"], tinv
@@ -890,7 +896,7 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
         q, gam if gam is not None else dummy, aqk, o if o is not None else dummy, kd, dl, w, u0,
         h0 if h0 is not None else dummy, ht if ht is not None else dummy, hs if hs is not None else dummy, cu, coff,
         scale, H, K, V, BK, BVl,
-        HAS_H0=h0 is not None, STORE_HT=ht is not None, STORE_H=keep_states, WRITE_O=not keep_states, LP=q.is_cuda,
+        HAS_H0=h0 is not None, STORE_HT=ht is not None, STORE_H=keep_states, WRITE_O=not keep_states, LP=_lp(q),
         num_stages=2 if BK <= 128 else 1, **LAUNCH["fwd_state" if keep_states else "fwd_state_o"])
     if o is not None and keep_states and NC > 0:
         BVo = min(BVf, 64)
@@ -926,7 +932,7 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep):
     _bwd_state_kernel[(triton.cdiv(V, BV), N, H)](
         fw["qg"], fw["kd"], fw["dl"], fw["w"], do, dht if dht is not None else dhs,
         dh0 if dh0 is not None else dhs, dhs, dus, cu, coff, H, K, V, BK, BV, HAS_DHT=dht is not None,
-        STORE_DH0=dh0 is not None, LP=q.is_cuda, **launch)
+        STORE_DH0=dh0 is not None, LP=_lp(q), **launch)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty_like(g)
     mode, a, dtb, lb = gate
