@@ -64,9 +64,9 @@ LAUNCH = {
 # 4 warps it takes 0.45 instead of 0.51 ms per call (H200, 4x8K), 0.43 with one pipeline stage instead of two
 # (tune_kda_h200_s8_bwd_intra.json). The same slices in intra and the O kernel were slower (tune_kda_h200_s7.json).
 # `_bwd_intra_kernel` (pairwise terms over 16-row partner blocks) in one 128-wide slice: 1.90 ms at 4x8K (4 warps,
-# 1 stage); 64-wide slices 2.56, 32-wide 2.04 (tune_kda_h200_s9_bwd_intra.json). The tuner's picks for it (8 warps capped
-# at 128 registers, 1.88) and `_bwd_da` (32-wide slices capped at 128, 0.68 vs 0.71) made the whole forward+backward
-# 2-3 % slower (tune_kda_h200_s9.json, kda_h200_s9_ab.json).
+# 1 stage); 64-wide slices 2.56, 32-wide 2.04 (tune_kda_h200_s9_bwd_intra.json). The tuner's picks for it (8 warps
+# capped at 128 registers, 1.88) and `_bwd_da` (32-wide slices capped at 128, 0.68 vs 0.71) made the whole
+# forward+backward 2-3 % slower (tune_kda_h200_s9.json, kda_h200_s9_ab.json).
 SLICE = {"wu_k": 64, "wu_v": 64, "bwd_intra_k": 128, "bwd_da_k": 64}
 
 
@@ -360,7 +360,7 @@ def _fwd_state_kernel(q_ptr, gam_ptr, aqk_ptr, o_ptr, kd_ptr, dl_ptr, w_ptr, u_p
             qg = tl.load(q_ptr + bk + offk, mask=m2, other=0.0).to(tl.float32)
             qg *= tl.exp(tl.load(gam_ptr + bk + offk, mask=m2, other=0.0)) * scale
             aqk = tl.load(aqk_ptr + t0 * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None],
-                          other=0.0).to(tl.float32)
+                          other=0.0)
             o = tl.dot(qg, S) + tl.dot(aqk, u)
             tl.store(o_ptr + bv + offv, o.to(o_ptr.dtype.element_ty), mask=mv2)
         kd = tl.load(kd_ptr + bk + offk, mask=m2, other=0.0)
@@ -397,8 +397,7 @@ def _fwd_o_kernel(qg_ptr, aqk_ptr, hs_ptr, us_ptr, o_ptr, cstart_ptr, cend_ptr, 
     qg = tl.load(qg_ptr + offk, mask=m2, other=0.0).to(tl.float32)
     s0 = tl.load(hs_ptr + (c * H + h).to(tl.int64) * (K * V) + ck[:, None] * V + cv[None, :],
                  mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
-    aqk = tl.load(aqk_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None],
-                  other=0.0).to(tl.float32)
+    aqk = tl.load(aqk_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None], other=0.0)
     offv = s * (H * V) + h * V + r[:, None] * (H * V) + cv[None, :]
     u = tl.load(us_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
     o = tl.dot(qg, s0) + tl.dot(aqk, u)
@@ -456,8 +455,7 @@ def _bwd_du0_kernel(aqk_ptr, do_ptr, dus_ptr, cstart_ptr, cend_ptr, H, V: tl.con
     out of the sequential loop."""
     c, h, cv, s, r, rv = _chunk_vblock(cstart_ptr, cend_ptr, V, BV)
     mv2 = rv[:, None] & (cv < V)[None, :]
-    aqk = tl.load(aqk_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None],
-                  other=0.0).to(tl.float32)
+    aqk = tl.load(aqk_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None], other=0.0)
     offv = s * (H * V) + h * V + r[:, None] * (H * V) + cv[None, :]
     do = tl.load(do_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
     tl.store(dus_ptr + offv, tl.dot(tl.trans(aqk), do), mask=mv2)
@@ -562,16 +560,15 @@ def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, dqg_ptr, dkd_ptr, tdw_ptr, d
                       xpre_ptr, dgam_ptr, dge_ptr, db32_ptr, dq_ptr, dk_ptr, db_ptr, cstart_ptr, cend_ptr, scale, H,
                       K: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, SAFE: tl.constexpr):
     """dq, dk, dβ (final) and dΓ with the prefix terms of dg, of rows ``16 I .. 16 I + 15`` of a chunk, from the
-    sums of ``_bwd_v_kernel`` and ``_bwd_da_kernel``. Dense terms, row by row: ``dq = scale dQg e^Γ``, ``dk =
-    dKd e^{Γ_C − Γ} + β (Tᵀ dW) e^Γ``, dP's diagonal (kept out of the pairwise terms: it adds exactly 0 to dΓ, and
-    its rounding would dominate dg under strong decay). Pairwise terms: row side ``X_i = Σ_{j<i} d[i, j] k_j e^{Γ_i − Γ_j}`` and
-    column side ``Y_j = Σ_{i>j} d[i, j] x_i e^{Γ_i − Γ_j}`` for ``d`` = dP, dA, 16 partner rows at a time (only the
-    causal blocks are loaded); dense: one dot per block, anchored at the block's first row ``a`` (no later token
-    can move the rounding); SAFE: other blocks anchored at the block's first
-    (row side) or last (column side) row, the diagonal block pair by pair. The ``Γ_C − Γ_t`` terms add
-    ``Σ_{s<t} k_s dKd_s e^{Γ_C − Γ_s} + e^{Γ_C} Σ_v S0 dS_C`` to dg_t: the earlier blocks' sum (``_bwd_da_kernel``)
-    plus an exclusive prefix of the previous rows (loaded again), no large term added and taken away again. Head
-    dim in slices of KS (fewer live registers)."""
+    sums of ``_bwd_v_kernel`` and ``_bwd_da_kernel``. Dense terms, row by row: ``dq = scale dQg e^Γ``, ``dk = dKd
+    e^{Γ_C − Γ} + β (Tᵀ dW) e^Γ``, dP's diagonal (kept out of the pairwise terms: it adds exactly 0 to dΓ, and its
+    rounding would dominate dg under strong decay). Pairwise terms: row side ``X_i = Σ_{j<i} d[i, j] k_j e^{Γ_i −
+    Γ_j}`` and column side ``Y_j = Σ_{i>j} d[i, j] x_i e^{Γ_i − Γ_j}`` for ``d`` = dP, dA, 16 partner rows at a time
+    (only the causal blocks are loaded); dense: one dot per block, anchored at the block's first row ``a`` (no later
+    token can move the rounding); SAFE: other blocks anchored at the block's first (row side) or last (column side)
+    row, the diagonal block pair by pair. The ``Γ_C − Γ_t`` terms add ``Σ_{s<t} k_s dKd_s e^{Γ_C − Γ_s} + e^{Γ_C}
+    Σ_v S0 dS_C`` to dg_t: the earlier blocks' sum (``_bwd_da_kernel``) plus an exclusive prefix of the previous
+    rows (loaded again), no large term added and taken away again. Head dim in slices of KS (fewer live registers)."""
     c = tl.program_id(0) // 4  # the 4 row blocks of a chunk run side by side: its q, k, Γ are read from L2
     h = tl.program_id(1)
     a = tl.program_id(0) % 4 * 16
@@ -828,9 +825,8 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     """Run the forward kernels on flat ``[TT, H, *]`` tensors; ``gate = (mode, exp(A_log) [H], dt_bias [H*K],
     lower_bound)`` (mode 0: ``g`` is the log-decay; 1 bounded / 2 softplus: ``g`` is the raw gate input).
     ``keep_prep``: also return ``T = (I + A_kk)⁻¹`` (for the autograd forward: its backward then passes ``prep =
-    (A_qk, T, Γ or None, states or None)`` back and skips the intra and solve kernels, with Γ the gate kernel, with
-    the per-chunk states the chunk loop: ``_wu_kernel`` then computes U from them). Returns a dict of outputs and
-    intermediates."""
+    (A_qk, T, states or None)`` back and skips the intra and solve kernels, with the per-chunk states the chunk loop:
+    ``_wu_kernel`` then computes U from them). Returns a dict of outputs and intermediates."""
     TT, H, K = q.shape
     V = v.shape[-1]
     cu, coff, cstart, cend, NC = tables
@@ -839,12 +835,10 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     f32 = dict(device=q.device, dtype=torch.float32)
     mode, a, dtb, lb = gate
     # allocated in order of use and freed early: a 1M-token forward keeps only what the chunk loop reads
-    aqk, tinv, gam, hs_kept = prep if prep is not None else (None, None, None, None)
-    if gam is None:
-        gam = torch.empty(TT, H, K, **f32)
-        if NC > 0:
-            _gate_cumsum_kernel[(NC, H)](g, a, dtb, gam, cstart, cend, lb, H, K, BK, GATE=mode,
-                                         **LAUNCH["gate_cumsum"])
+    aqk, tinv, hs_kept = prep if prep is not None else (None, None, None)
+    gam = torch.empty(TT, H, K, **f32)
+    if NC > 0:
+        _gate_cumsum_kernel[(NC, H)](g, a, dtb, gam, cstart, cend, lb, H, K, BK, GATE=mode, **LAUNCH["gate_cumsum"])
     if prep is None:
         # T in bf16 with bf16 inputs (as fla-core's A_kk⁻¹): half its bytes in `_wu`, `_bwd_v`, `_bwd_da` and kept
         # for the backward; every dot reading it widens it to fp32
@@ -980,7 +974,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
         # 0.36-1 ms
         hs = fw["hs"]
         hs = hs if hs is not None and hs.numel() * hs.element_size() <= STATES_LIMIT_BYTES else None
-        prep = (fw["aqk"], fw["tinv"], None, hs) if grad else (None, None, None, None)
+        prep = (fw["aqk"], fw["tinv"], hs) if grad else (None, None, None)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, *prep)
         ctx.tables, ctx.scale, ctx.safe, ctx.mode, ctx.lb = tables, scale, safe, mode, lb
         return fw["o"].reshape(B, T, H, V), fw["ht"]
