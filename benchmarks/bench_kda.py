@@ -30,6 +30,7 @@ except ImportError:  # the peer is optional
 
 H, D = 16, 128
 LB = -5.0
+LEAVES = ("q", "k", "v", "g", "beta")  # the inputs that get gradients
 
 
 def make(B, T, seed=0, device="cuda"):
@@ -99,7 +100,7 @@ def check(fn, gate, backward=True):
     for B, T in ((1, 4096), (8, 512)):
         x = make(B, T, seed=1)  # all H heads: fla-core's autotuning keys on H, so its tuned entries serve the timings
         ro, rx = reference(x, gate)
-        leaves = {n: x[n].clone().requires_grad_(backward) for n in ("q", "k", "v", "g", "beta")}
+        leaves = {n: x[n].clone().requires_grad_(backward) for n in LEAVES}
         o = fn({**x, **leaves}, gate)
         e = {"o": rel(o, ro)}
         if backward:
@@ -111,25 +112,28 @@ def check(fn, gate, backward=True):
     return err
 
 
+def fwd_bwd(fn, x, gate, do):
+    """One forward+backward as every timing and kernel table here runs it: the leaves (``x[n]`` for n in LEAVES,
+    requiring grad) have their gradients cleared first, so no gradient-accumulation kernels run."""
+    for n in LEAVES:
+        x[n].grad = None
+    fn(x, gate).backward(do)
+
+
 def time_it(fn, x, gate, backward):
     if not backward:
         with torch.no_grad():
             return do_bench(lambda: fn(x, gate), warmup=50, rep=300, return_mode="median")
-    leaves = {n: x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta")}
+    for n in LEAVES:
+        x[n].requires_grad_()
     do = torch.randn_like(x["v"])
-
-    def step():
-        for t in leaves.values():
-            t.grad = None
-        fn(x, gate).backward(do)
-
-    return do_bench(step, warmup=50, rep=300, return_mode="median")
+    return do_bench(lambda: fwd_bwd(fn, x, gate, do), warmup=50, rep=300, return_mode="median")
 
 
 def saved_gib(fn, x, gate):
     """GiB that the autograd graph holds between the forward and the backward (the output included): what a
     layer keeps per call while training without activation checkpointing."""
-    leaves = {n: x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta")}
+    leaves = {n: x[n].requires_grad_() for n in LEAVES}
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     o = fn({**x, **leaves}, gate)
@@ -153,15 +157,13 @@ def peak_forward(fn, x, gate):
 def profile_ours(B, T):
     """Per-kernel CUDA times of one forward and one forward+backward of ours, both gates."""
     x = make(B, T)
-    leaves = {n: x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta")}
+    for n in LEAVES:
+        x[n].requires_grad_()
+    do = torch.ones_like(x["v"])
     for gate in ("bounded", "softplus"):
         for bwd in (False, True):
             def step():
-                for t in leaves.values():
-                    t.grad = None  # as time_it: no gradient accumulation kernels in the table
-                o = run_ours(x, gate)
-                if bwd:
-                    o.backward(torch.ones_like(x["v"]))
+                fwd_bwd(run_ours, x, gate, do) if bwd else run_ours(x, gate)
             for _ in range(2):
                 step()
             torch.cuda.synchronize()
@@ -170,7 +172,6 @@ def profile_ours(B, T):
                 torch.cuda.synchronize()
             print(f"ours-{gate}, {B}x{T} {'fwd+bwd' if bwd else 'fwd'}, per kernel:")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=40))
-    del leaves
 
 
 def gpu_checks():

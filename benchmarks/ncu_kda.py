@@ -15,16 +15,16 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_kda import make, run_fla, run_ours  # noqa: E402
+from bench_kda import LEAVES, fwd_bwd, make, run_fla, run_ours  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--size", default="4x8192", help="BxT")
 B, T = (int(n) for n in ap.parse_args().size.split("x"))
 x = make(B, T)
+for n in LEAVES:
+    x[n].requires_grad_()
+do = torch.randn_like(x["v"])
 for fn in (run_ours, run_fla):
-    leaves = {n: x[n].requires_grad_() for n in ("q", "k", "v", "g", "beta")}
     for _ in range(2):
-        for t in leaves.values():
-            t.grad = None
-        fn(x, "bounded").backward(torch.randn_like(x["v"]))
+        fwd_bwd(fn, x, "bounded", do)
     torch.cuda.synchronize()

@@ -47,7 +47,7 @@ def kda(res, names, alts, sizes):
     impls = {n: f for n, f in impls.items() if n in names}
     for B, T in (tuple(map(int, s.split("x"))) for s in sizes.split(",")):
         x = bench_kda.make(B, T)
-        for n in ("q", "k", "v", "g", "beta"):
+        for n in bench_kda.LEAVES:
             x[n].requires_grad_()
         do = torch.randn_like(x["v"])
         for name, fn in impls.items():
@@ -56,9 +56,7 @@ def kda(res, names, alts, sizes):
                     fn(x, "bounded")
 
             def fwdbwd():
-                for n in ("q", "k", "v", "g", "beta"):
-                    x[n].grad = None  # as bench_kda.py: no gradient-accumulation kernels in the table
-                fn(x, "bounded").backward(do)
+                bench_kda.fwd_bwd(fn, x, "bounded", do)
 
             for mode, f in (("fwd", fwd), ("fwd+bwd", fwdbwd)):
                 key = f"kda {name} {B}x{T // 1024}K {mode}"

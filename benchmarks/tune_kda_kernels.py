@@ -64,18 +64,18 @@ def set_round(rnd):
 def inputs(size):
     B, T = map(int, size.split("x"))
     x = bench_kda.make(B, T)
-    for n in ("q", "k", "v", "g", "beta"):
+    for n in bench_kda.LEAVES:
         x[n].requires_grad_()
     do = torch.randn_like(x["v"])
     return x, do
 
 
 def fwdbwd(x, do):
-    for n in ("q", "k", "v", "g", "beta"):
+    for n in bench_kda.LEAVES:
         x[n].grad = None
     o = bench_kda.run_ours(x, "bounded")
     o.backward(do)
-    return [o.detach()] + [x[n].grad for n in ("q", "k", "v", "g", "beta")]
+    return [o.detach()] + [x[n].grad for n in bench_kda.LEAVES]
 
 
 def compile_round(args):
