@@ -409,12 +409,13 @@ def _fwd_o_kernel(qg_ptr, aqk_ptr, hs_ptr, us_ptr, o_ptr, cstart_ptr, cend_ptr, 
 def _bwd_state_kernel(qg_ptr, kd_ptr, dl_ptr, w_ptr, do_ptr, dht_ptr, dh0_ptr, dhs_ptr, dus_ptr,
                       cu_ptr, coff_ptr, H, K: tl.constexpr, V: tl.constexpr,
                       BK: tl.constexpr, BV: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-                      LP: tl.constexpr):
+                      LP: tl.constexpr, LPS: tl.constexpr):
     """The reverse chunk loop of one sequence, head and V block: ``dU = dU0 + Kd dS`` (dU0 = Pᵀ dO from
     ``_bwd_du0_kernel``, overwritten in place), ``dS ← e^{Γ_C} dS + Qgᵀ dO − Wᵀ dU``; stores the dS entering
-    every chunk from its end (16-bit with 16-bit inputs) and, with STORE_DH0, the initial state's gradient. LP: ``Qgᵀ
-    dO`` (both stored 16-bit) on 16-bit tensor cores, 1-2 % faster fwd+bwd, errors unchanged (H200); the other two
-    dots widen to fp32: all three in 16 bits gave wrong dk and an illegal memory access in triton 3.6."""
+    every chunk from its end (16-bit with 16-bit inputs) and, with STORE_DH0, the initial state's gradient. dS is
+    carried as two halves of the head dim (``[BK/2, BV]``), Kd, Qg and W loaded as ``[64, BK/2]`` tiles. LP: ``Qgᵀ
+    dO`` (both stored 16-bit) on 16-bit tensor cores; LPS: ``Kd dS`` and ``Wᵀ dU`` too, dS and dU rounded to bf16
+    (bf16 only: fp16 would flush small gradients)."""
     iv = tl.program_id(0)
     n = tl.program_id(1)
     h = tl.program_id(2)
@@ -423,30 +424,41 @@ def _bwd_state_kernel(qg_ptr, kd_ptr, dl_ptr, w_ptr, do_ptr, dht_ptr, dh0_ptr, d
     coff = tl.load(coff_ptr + n).to(tl.int64)
     nt = tl.cdiv(eos - bos, 64)
     r = tl.arange(0, 64)
-    ck = tl.arange(0, BK)
-    mk = ck < K
+    ck1 = tl.arange(0, BK // 2)
+    ck2 = BK // 2 + tl.arange(0, BK // 2)
+    mk1 = ck1 < K
+    mk2 = ck2 < K
     cv = iv * BV + tl.arange(0, BV)
     mv = cv < V
-    offs_s, ms, state_off, dS = _state_block(dht_ptr, n, h, H, ck, cv, K, V, BK, BV, HAS_DHT)
+    offs1, ms1, state_off, dS1 = _state_block(dht_ptr, n, h, H, ck1, cv, K, V, BK // 2, BV, HAS_DHT)
+    offs2, ms2, state_off, dS2 = _state_block(dht_ptr, n, h, H, ck2, cv, K, V, BK // 2, BV, HAS_DHT)
     for j in range(0, nt):
         i = nt - 1 - j
         t0 = bos + i * 64
         rv = r < eos - t0
-        m2 = rv[:, None] & mk[None, :]
+        m1 = rv[:, None] & mk1[None, :]
+        m2 = rv[:, None] & mk2[None, :]
         mv2 = rv[:, None] & mv[None, :]
-        offk = t0 * (H * K) + h * K + r[:, None] * (H * K) + ck[None, :]
+        off1 = t0 * (H * K) + h * K + r[:, None] * (H * K) + ck1[None, :]
+        off2 = t0 * (H * K) + h * K + r[:, None] * (H * K) + ck2[None, :]
         offv = t0 * (H * V) + h * V + r[:, None] * (H * V) + cv[None, :]
-        tl.store(dhs_ptr + ((coff + i) * H + h) * (K * V) + offs_s, dS.to(dhs_ptr.dtype.element_ty), mask=ms)
+        dhs = dhs_ptr + ((coff + i) * H + h) * (K * V)
+        tl.store(dhs + offs1, dS1.to(dhs_ptr.dtype.element_ty), mask=ms1)
+        tl.store(dhs + offs2, dS2.to(dhs_ptr.dtype.element_ty), mask=ms2)
         do = tl.load(do_ptr + offv, mask=mv2, other=0.0)
-        kd = tl.load(kd_ptr + offk, mask=m2, other=0.0)
-        du = tl.load(dus_ptr + offv, mask=mv2, other=0.0) + _lp_dot(kd, dS, False)
+        du = (tl.load(dus_ptr + offv, mask=mv2, other=0.0) + _lp_dot(tl.load(kd_ptr + off1, mask=m1, other=0.0), dS1, LPS)
+              + _lp_dot(tl.load(kd_ptr + off2, mask=m2, other=0.0), dS2, LPS))
         tl.store(dus_ptr + offv, du, mask=mv2)
-        qg = tl.load(qg_ptr + offk, mask=m2, other=0.0)
-        w = tl.load(w_ptr + offk, mask=m2, other=0.0)
-        dl = tl.load(dl_ptr + ((coff + i) * H + h) * K + ck, mask=mk, other=0.0)
-        dS = dS * dl[:, None] + _lp_dot(tl.trans(qg), do, LP) - _lp_dot(tl.trans(w), du, False)
+        dl = dl_ptr + ((coff + i) * H + h) * K
+        dS1 = (dS1 * tl.load(dl + ck1, mask=mk1, other=0.0)[:, None]
+               + _lp_dot(tl.trans(tl.load(qg_ptr + off1, mask=m1, other=0.0)), do, LP)
+               - _lp_dot(tl.trans(tl.load(w_ptr + off1, mask=m1, other=0.0)), du, LPS))
+        dS2 = (dS2 * tl.load(dl + ck2, mask=mk2, other=0.0)[:, None]
+               + _lp_dot(tl.trans(tl.load(qg_ptr + off2, mask=m2, other=0.0)), do, LP)
+               - _lp_dot(tl.trans(tl.load(w_ptr + off2, mask=m2, other=0.0)), du, LPS))
     if STORE_DH0:
-        tl.store(dh0_ptr + state_off + offs_s, dS, mask=ms)
+        tl.store(dh0_ptr + state_off + offs1, dS1, mask=ms1)
+        tl.store(dh0_ptr + state_off + offs2, dS2, mask=ms2)
 
 
 @triton.jit
@@ -926,7 +938,7 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep):
     _bwd_state_kernel[(triton.cdiv(V, BV), N, H)](
         fw["qg"], fw["kd"], fw["dl"], fw["w"], do, dht if dht is not None else dhs,
         dh0 if dh0 is not None else dhs, dhs, dus, cu, coff, H, K, V, BK, BV, HAS_DHT=dht is not None,
-        STORE_DH0=dh0 is not None, LP=_lp(q), **launch)
+        STORE_DH0=dh0 is not None, LP=_lp(q), LPS=lps, **launch)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty_like(g)
     mode, a, dtb, lb = gate
