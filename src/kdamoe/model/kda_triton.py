@@ -54,6 +54,7 @@ LAUNCH = {
     "bwd_du0": dict(num_warps=2),
     "bwd_state": dict(num_warps=4, num_stages=1),
     "bwd_state_few": dict(num_warps=8, num_stages=2),  # fewer programs than SMs (one long sequence): prefetch
+    "bwd_state_lp": dict(num_warps=4, num_stages=3),  # bf16 dots, 64-wide V blocks (fla-core's own tuned setting)
     "bwd_v": dict(num_warps=8, num_stages=1),
     "bwd_da": dict(num_warps=4, num_stages=1),
     "bwd_intra": dict(num_warps=4, num_stages=1),
@@ -446,7 +447,8 @@ def _bwd_state_kernel(qg_ptr, kd_ptr, dl_ptr, w_ptr, do_ptr, dht_ptr, dh0_ptr, d
         tl.store(dhs + offs1, dS1.to(dhs_ptr.dtype.element_ty), mask=ms1)
         tl.store(dhs + offs2, dS2.to(dhs_ptr.dtype.element_ty), mask=ms2)
         do = tl.load(do_ptr + offv, mask=mv2, other=0.0)
-        du = (tl.load(dus_ptr + offv, mask=mv2, other=0.0) + _lp_dot(tl.load(kd_ptr + off1, mask=m1, other=0.0), dS1, LPS)
+        du = (tl.load(dus_ptr + offv, mask=mv2, other=0.0)
+              + _lp_dot(tl.load(kd_ptr + off1, mask=m1, other=0.0), dS1, LPS)
               + _lp_dot(tl.load(kd_ptr + off2, mask=m2, other=0.0), dS2, LPS))
         tl.store(dus_ptr + offv, du, mask=mv2)
         dl = dl_ptr + ((coff + i) * H + h) * K
@@ -929,15 +931,19 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep):
         BVo = min(BVf, 64)
         _bwd_du0_kernel[(NC * triton.cdiv(V, BVo), H)](fw["aqk"], do, dus, cstart, cend, H, V, BVo,
                                                       **LAUNCH["bwd_du0"])
-    # the reverse loop keeps 32-wide V blocks: at 16 it was slower, and wrong at 8 warps in triton 3.6 (H200)
-    few = _few_loop_programs(BV, N, H, V, q.device)
+    # with bf16 dots (LPS) the reverse loop is built and launched as fla-core's: 64-wide V blocks, 4 warps, 3 stages
+    # (its loads then feed the dots and are pipelined: 197 KB of shared memory at K = V = 128, compile_kda.py).
+    # Otherwise 32-wide blocks: at 16 it was slower, and wrong at 8 warps in triton 3.6 (H200)
+    lps = _lp(q) and q.dtype == torch.bfloat16
+    BVr = min(BVf, 64) if lps else BV
+    few = _few_loop_programs(BVr, N, H, V, q.device)
     # 2 stages only when the [64, BK] tiles it prefetches are at most 256 B a row (16-bit at BK <= 128): fp32 inputs
     # at head dim 128 overflowed the H200's shared memory
-    launch = dict(LAUNCH["bwd_state_few" if few else "bwd_state"],
+    launch = dict(LAUNCH["bwd_state_lp" if lps else "bwd_state_few" if few else "bwd_state"],
                   **({"num_stages": 1} if BK * fw["w"].element_size() > 256 else {}))
-    _bwd_state_kernel[(triton.cdiv(V, BV), N, H)](
+    _bwd_state_kernel[(triton.cdiv(V, BVr), N, H)](
         fw["qg"], fw["kd"], fw["dl"], fw["w"], do, dht if dht is not None else dhs,
-        dh0 if dh0 is not None else dhs, dhs, dus, cu, coff, H, K, V, BK, BV, HAS_DHT=dht is not None,
+        dh0 if dh0 is not None else dhs, dhs, dus, cu, coff, H, K, V, BK, BVr, HAS_DHT=dht is not None,
         STORE_DH0=dh0 is not None, LP=_lp(q), LPS=lps, **launch)
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     dg = torch.empty_like(g)
