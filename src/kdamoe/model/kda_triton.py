@@ -29,6 +29,8 @@ terms) and ``_bwd_dg`` (suffix sums of dΓ and the gate's chain rule). Launch se
 q/k L2 norm runs in torch before the kernels.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -177,46 +179,51 @@ def _put(ptr, x, s, e, h, H, I: tl.constexpr, J: tl.constexpr):
 
 
 @triton.jit
-def _dot(a, b):
+def _dot(a, b, TF32: tl.constexpr):
+    """The solve's 16 x 16 dots: on tf32 tensor cores when T is stored in 16 bits (tf32 keeps 3 more mantissa bits
+    than the stored bf16 T; fla-core's solve runs tf32 too), else fp32 FMA."""
+    if TF32:
+        return tl.dot(a, b, input_precision="tf32")
     return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
-def _inv_unit_lower(lo):
+def _inv_unit_lower(lo, TF32: tl.constexpr):
     """``(I + L)^-1`` of a strictly lower 16 x 16 ``L``: ``(I − L)(I + L²)(I + L⁴)(I + L⁸)``, exact as L^16 = 0."""
     r = tl.arange(0, 16)
     x = tl.where(r[:, None] == r[None, :], 1.0, 0.0) - lo
-    l2 = _dot(lo, lo)
-    x += _dot(x, l2)
-    l4 = _dot(l2, l2)
-    x += _dot(x, l4)
-    return x + _dot(x, _dot(l4, l4))
+    l2 = _dot(lo, lo, TF32)
+    x += _dot(x, l2, TF32)
+    l4 = _dot(l2, l2, TF32)
+    x += _dot(x, l4, TF32)
+    return x + _dot(x, _dot(l4, l4, TF32), TF32)
 
 
 @triton.jit
-def _solve_kernel(akk_ptr, tinv_ptr, cstart_ptr, cend_ptr, H):
+def _solve_kernel(akk_ptr, tinv_ptr, cstart_ptr, cend_ptr, H, TF32: tl.constexpr):
     """``T = (I + A_kk)^-1`` of one chunk by 16 x 16 blocks: diagonal blocks by a nilpotent product, then block
-    forward substitution ``T_IJ = −T_II Σ_{J<=M<I} A_IM T_MJ`` (fp32 FMA dots). Every block of T is written."""
+    forward substitution ``T_IJ = −T_II Σ_{J<=M<I} A_IM T_MJ`` (``_dot``: tf32 or fp32 FMA). Every block of T is
+    written."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.load(cstart_ptr + c).to(tl.int64)
     e = tl.load(cend_ptr + c).to(tl.int64)
-    d0 = _inv_unit_lower(_block(akk_ptr, s, e, h, H, 0, 0))
-    d1 = _inv_unit_lower(_block(akk_ptr, s, e, h, H, 1, 1))
-    d2 = _inv_unit_lower(_block(akk_ptr, s, e, h, H, 2, 2))
-    d3 = _inv_unit_lower(_block(akk_ptr, s, e, h, H, 3, 3))
+    d0 = _inv_unit_lower(_block(akk_ptr, s, e, h, H, 0, 0), TF32)
+    d1 = _inv_unit_lower(_block(akk_ptr, s, e, h, H, 1, 1), TF32)
+    d2 = _inv_unit_lower(_block(akk_ptr, s, e, h, H, 2, 2), TF32)
+    d3 = _inv_unit_lower(_block(akk_ptr, s, e, h, H, 3, 3), TF32)
     a10 = _block(akk_ptr, s, e, h, H, 1, 0)
     a21 = _block(akk_ptr, s, e, h, H, 2, 1)
     a32 = _block(akk_ptr, s, e, h, H, 3, 2)
-    t10 = -_dot(d1, _dot(a10, d0))
-    t21 = -_dot(d2, _dot(a21, d1))
-    t32 = -_dot(d3, _dot(a32, d2))
+    t10 = -_dot(d1, _dot(a10, d0, TF32), TF32)
+    t21 = -_dot(d2, _dot(a21, d1, TF32), TF32)
+    t32 = -_dot(d3, _dot(a32, d2, TF32), TF32)
     a20 = _block(akk_ptr, s, e, h, H, 2, 0)
     a31 = _block(akk_ptr, s, e, h, H, 3, 1)
-    t20 = -_dot(d2, _dot(a20, d0) + _dot(a21, t10))
-    t31 = -_dot(d3, _dot(a31, d1) + _dot(a32, t21))
+    t20 = -_dot(d2, _dot(a20, d0, TF32) + _dot(a21, t10, TF32), TF32)
+    t31 = -_dot(d3, _dot(a31, d1, TF32) + _dot(a32, t21, TF32), TF32)
     a30 = _block(akk_ptr, s, e, h, H, 3, 0)
-    t30 = -_dot(d3, _dot(a30, d0) + _dot(a31, t10) + _dot(a32, t20))
+    t30 = -_dot(d3, _dot(a30, d0, TF32) + _dot(a31, t10, TF32) + _dot(a32, t20, TF32), TF32)
     zero = tl.zeros((16, 16), dtype=tl.float32)
     _put(tinv_ptr, d0, s, e, h, H, 0, 0)
     _put(tinv_ptr, zero, s, e, h, H, 0, 1)
@@ -258,8 +265,9 @@ def _wu_kernel(q_ptr, k_ptr, v_ptr, b_ptr, gam_ptr, tinv_ptr, w_ptr, u_ptr, qg_p
     w_ptr += base
     qg_ptr += base
     kd_ptr += base
-    tinv = tl.load(tinv_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None],
-                   other=0.0).to(tl.float32)
+    tinv16 = tl.load(tinv_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None],
+                     other=0.0)  # T as stored: bf16 with bf16 inputs
+    tinv = tinv16.to(tl.float32)
     beta = tl.load(b_ptr + s * H + r * H + h, mask=rv, other=0.0).to(tl.float32)
     for k0 in range(0, K, BK):
         ck = k0 + tl.arange(0, BK)
@@ -271,7 +279,8 @@ def _wu_kernel(q_ptr, k_ptr, v_ptr, b_ptr, gam_ptr, tinv_ptr, w_ptr, u_ptr, qg_p
         kk = tl.load(k_ptr + offk, mask=m2, other=0.0).to(tl.float32)
         tl.store(kd_ptr + offk, (kk * tl.exp(glast[None, :] - gam)).to(kd_ptr.dtype.element_ty), mask=m2)
         eg = tl.exp(gam)
-        tl.store(w_ptr + offk, tl.dot(tinv, kk * eg * beta[:, None]).to(w_ptr.dtype.element_ty), mask=m2)
+        # W (stored in 16 bits) on 16-bit tensor cores: it adds nothing measurable to any error (notes)
+        tl.store(w_ptr + offk, _lp_dot(tinv16, kk * eg * beta[:, None], LP).to(w_ptr.dtype.element_ty), mask=m2)
         if STORE_QG:
             qq = tl.load(q_ptr + offk, mask=m2, other=0.0).to(tl.float32)
             tl.store(qg_ptr + offk, (qq * eg * scale).to(qg_ptr.dtype.element_ty), mask=m2)
@@ -788,17 +797,26 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, h0_ptr, ht_ptr, 
 
 # --------------------------------------------------------------------------------------------------- host side
 def _chunk_tables(B, T, cu_seqlens, device):
-    """Sequence and chunk tables: ``cu [N+1]``, ``coff [N+1]`` (first chunk of each sequence), ``cstart, cend [NC]``."""
+    """Sequence and chunk tables: ``cu [N+1]``, ``coff [N+1]`` (first chunk of each sequence), ``cstart, cend [NC]``
+    (int32), NC. Fixed-length batches reuse cached tables: a dozen small launches less per call."""
     if cu_seqlens is None:
-        cu = torch.arange(0, B + 1, device=device, dtype=torch.int64) * T
-    else:
-        cu = cu_seqlens.to(device=device, dtype=torch.int64)
+        return _fixed_chunk_tables(B, T, device)
+    return _tables_from_cu(cu_seqlens.to(device=device, dtype=torch.int64), None)
+
+
+@functools.lru_cache(maxsize=16)
+def _fixed_chunk_tables(B, T, device):
+    return _tables_from_cu(torch.arange(0, B + 1, device=device, dtype=torch.int64) * T, B * triton.cdiv(T, CHUNK))
+
+
+def _tables_from_cu(cu, NC):
+    """The tables of ``_chunk_tables`` from int64 ``cu``; NC (the number of chunks) is read from the GPU if None."""
     lens = cu[1:] - cu[:-1]
     nt = (lens + CHUNK - 1) // CHUNK
     coff = torch.cat([nt.new_zeros(1), nt.cumsum(0)])
-    NC = B * triton.cdiv(T, CHUNK) if cu_seqlens is None else int(coff[-1])
-    seq = torch.repeat_interleave(torch.arange(len(lens), device=device), nt, output_size=NC)
-    idx = torch.arange(NC, device=device) - coff[seq]
+    NC = int(coff[-1]) if NC is None else NC
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=cu.device), nt, output_size=NC)
+    idx = torch.arange(NC, device=cu.device) - coff[seq]
     cstart = cu[seq] + idx * CHUNK
     cend = torch.minimum(cstart + CHUNK, cu[seq + 1])
     i32 = torch.int32
@@ -862,7 +880,8 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
         akk = torch.empty(TT, H, 64, **f32)
         _intra_kernel[(NC * 4, H)](q, k, gam, beta, akk, aqk, cstart, cend, scale, H, K, BK, SAFE=safe,
                                   **LAUNCH["intra"])
-        _solve_kernel[(NC, H)](akk, tinv, cstart, cend, H, **LAUNCH["solve"])
+        _solve_kernel[(NC, H)](akk, tinv, cstart, cend, H, TF32=_lp(q) and tinv.element_size() == 2,
+                                      **LAUNCH["solve"])
         del akk
     # W, K e^{Γ_C − Γ}, Q e^Γ and the per-chunk states (and their gradients) are stored in the inputs' 16-bit dtype:
     # half the bytes the loops read, 1.2-1.3x faster fwd+bwd (H200). P stays fp32, and so does U (U0, overwritten
