@@ -57,9 +57,9 @@ LAUNCH = {
     "bwd_state": dict(num_warps=4, num_stages=1),
     "bwd_state_few": dict(num_warps=8, num_stages=2),  # fewer programs than SMs (one long sequence): prefetch
     "bwd_state_lp": dict(num_warps=4, num_stages=3),  # bf16 dots, 64-wide V blocks (fla-core's own tuned setting)
-    "bwd_v": dict(num_warps=8, num_stages=1),
+    "bwd_v": dict(num_warps=8, num_stages=2),
     "bwd_da": dict(num_warps=4, num_stages=1),
-    "bwd_intra": dict(num_warps=4, num_stages=1),
+    "bwd_intra": dict(num_warps=8, num_stages=1, maxnreg=128),
     "bwd_dg": dict(num_warps=4),
     "recurrent": dict(num_warps=4),
 }
