@@ -67,9 +67,10 @@ LAUNCH = {
 # 4 warps it takes 0.45 instead of 0.51 ms per call (H200, 4x8K), 0.43 with one pipeline stage instead of two
 # (tune_kda_h200_s8_bwd_intra.json). The same slices in intra and the O kernel were slower (tune_kda_h200_s7.json).
 # `_bwd_intra_kernel` (pairwise terms over 16-row partner blocks) in one 128-wide slice: 1.90 ms at 4x8K (4 warps,
-# 1 stage); 64-wide slices 2.56, 32-wide 2.04 (tune_kda_h200_s9_bwd_intra.json). The tuner's picks for it (8 warps
-# capped at 128 registers, 1.88) and `_bwd_da` (32-wide slices capped at 128, 0.68 vs 0.71) made the whole
-# forward+backward 2-3 % slower (tune_kda_h200_s9.json, kda_h200_s9_ab.json).
+# 1 stage); 64-wide slices 2.56, 32-wide 2.04 (tune_kda_h200_s9_bwd_intra.json). Its launch at 8 warps capped at 128
+# registers (1.91 -> 1.86 ms) and `_bwd_v`'s at 2 stages (1.41 -> 1.33) made the whole forward+backward 1.3-1.6 %
+# faster at every size in session 11 (tune_kda_h200_s11.json, kda_h200_s11_ab.json); in session 9 the same
+# `_bwd_intra` pick, with other kernels then, had made it 2-3 % slower: every pick goes through an A/B.
 SLICE = {"wu_k": 64, "wu_v": 64, "bwd_intra_k": 128, "bwd_da_k": 64}
 
 
@@ -887,8 +888,9 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     # half the bytes the loops read, 1.2-1.3x faster fwd+bwd (H200). P stays fp32, and so does U (U0, overwritten
     # with U by the loop) for the backward: their rounding is what reaches the output and gradients
     # (notes/kda_kernel_notes.md). The output's own forward stores U in 16 bits: 4-5 % faster, o's error 2.9e-3 ->
-    # 3.6e-3 (fla-core: 4.1e-3; H200, 4x8K); in the backward they cost more than they saved. The forward loop
-    # multiplies on 16-bit tensor cores (on a GPU); every other dot widens its operands to fp32 (tf32).
+    # 3.6e-3 (fla-core: 4.1e-3; H200, 4x8K); in the backward they cost more than they saved. The forward loop and
+    # `_wu`'s W multiply on 16-bit tensor cores (on a GPU); U0 = T (βV) in 16 bits would cost o 3.6 -> 3.9e-3 for
+    # 0.5 % (session 11), so it and the other dots widen their operands to fp32 (tf32).
     lp = dict(device=q.device, dtype=q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32)
     w, kd = torch.empty(TT, H, K, **lp), torch.empty(TT, H, K, **lp)
     u0 = torch.empty(TT, H, V, **(f32 if for_backward else lp))
