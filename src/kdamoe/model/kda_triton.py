@@ -882,7 +882,7 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
         _intra_kernel[(NC * 4, H)](q, k, gam, beta, akk, aqk, cstart, cend, scale, H, K, BK, SAFE=safe,
                                   **LAUNCH["intra"])
         _solve_kernel[(NC, H)](akk, tinv, cstart, cend, H, TF32=_lp(q) and tinv.element_size() == 2,
-                                      **LAUNCH["solve"])
+                               **LAUNCH["solve"])
         del akk
     # W, K e^{Γ_C − Γ}, Q e^Γ and the per-chunk states (and their gradients) are stored in the inputs' 16-bit dtype:
     # half the bytes the loops read, 1.2-1.3x faster fwd+bwd (H200). P stays fp32, and so does U (U0, overwritten
