@@ -55,6 +55,23 @@ def count_launches(monkeypatch, name):
     return launches
 
 
+@pytest.mark.parametrize("B,T", [(1, 1), (2, 64), (3, 130)])
+def test_chunk_tables_fixed_length_cached_and_equal_to_a_loop(B, T):
+    """The cached tables of a fixed-length batch equal those built by a Python loop over chunks, and the ones of
+    the same boundaries given as cu_seqlens; a second call returns the cached tensors."""
+    cstart = [n * T + t for n in range(B) for t in range(0, T, 64)]
+    cend = [min(c + 64, (c // T + 1) * T) for c in cstart]
+    coff = [n * -(-T // 64) for n in range(B + 1)]
+    fixed = kda_triton._chunk_tables(B, T, None, torch.device("cpu"))
+    varlen = kda_triton._chunk_tables(1, B * T, torch.arange(B + 1) * T, torch.device("cpu"))
+    for tables in (fixed, varlen):
+        cu, co, cs, ce, nc = tables
+        assert cu.tolist() == [n * T for n in range(B + 1)] and co.tolist() == coff
+        assert cs.tolist() == cstart and ce.tolist() == cend and nc == len(cstart)
+        assert cs.dtype == torch.int32
+    assert kda_triton._chunk_tables(B, T, None, torch.device("cpu"))[2] is fixed[2]
+
+
 @pytest.mark.skipif(not NEEDS_SUBPROCESS, reason="the kernels run in this process")
 def test_kernels_in_interpreter_subprocess():
     env = dict(os.environ, TRITON_INTERPRET="1")
