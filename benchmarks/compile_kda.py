@@ -30,7 +30,6 @@ from triton.compiler import ASTSource
 from kdamoe.model import kda_triton
 
 
-
 class Recorder:
     """Stands in for a JIT kernel: ``kernel[grid](*args, **kwargs)`` records the launch instead of running it."""
 

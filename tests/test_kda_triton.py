@@ -408,7 +408,7 @@ def test_gpu_backward(gate, T):
 @pytest.mark.parametrize("D", [64, 128])
 def test_gpu_backward_with_more_loop_programs_than_sms(D):
     """16 sequences x 16 heads: the chunk loops have more programs than an H200 has SMs and take their many-program
-    launch settings (`LAUNCH["bwd_state"]`), which the one-sequence tests above never reach. (A 4-warp reverse
+    launch settings (with bf16 inputs `LAUNCH["bwd_state_lp"]`), which the one-sequence tests above never reach. (A 4-warp reverse
     loop with bf16 dots gave dk 10 % off there in triton 3.6, and right answers with one long sequence.)"""
     B, H = 16, 16
     assert B * H * D // 64 >= torch.cuda.get_device_properties(DEV).multi_processor_count
