@@ -115,13 +115,17 @@ def kernel_times(x, do, iters):
 
 def combined_launch(rounds, times, slice_set):
     """LAUNCH with every kernel at its fastest candidate among the rounds of ``slice_set``; ``times[r]`` maps
-    kernel name -> ms for round r (rounds that failed are missing)."""
+    kernel name -> ms for round r (rounds that failed are missing). A kernel launched under several LAUNCH entries
+    (``bwd_state``, ``bwd_state_few``, ``bwd_state_lp``; ``fwd_state``, ``fwd_state_o``) ran under one of them at
+    the size timed, so the pick goes to all of them."""
     launch = {name: dict(cfg) for name, cfg in CURRENT.items()}
-    for name in launch:
-        rows = [(times[r][name], r) for r, (_, sl) in enumerate(rounds)
-                if sl == slice_set and r in times and name in times[r]]
-        if name not in SKIP and rows:
-            launch[name] = round_config(rounds[min(rows)[1]][0])[name]
+    for kernel in {name for t in times.values() for name in t}:
+        rows = [(times[r][kernel], r) for r, (_, sl) in enumerate(rounds)
+                if sl == slice_set and r in times and kernel in times[r]]
+        picked = round_config(rounds[min(rows)[1]][0]) if rows else {}
+        for name in launch:
+            if (name == kernel or name.startswith(kernel + "_")) and name not in SKIP and rows:
+                launch[name] = picked[name]
     return launch
 
 
