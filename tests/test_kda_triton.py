@@ -194,6 +194,34 @@ def test_backward_without_kept_states_matches_oracle(monkeypatch):
 
 
 @kernel_test
+@pytest.mark.parametrize("keep_states", [True, False])
+def test_slabbed_forward_is_bit_identical_to_one_pass(monkeypatch, keep_states):
+    """A single sequence's forward in slabs (on a GPU the loop of one slab beside the parallel kernels of the next,
+    on another stream): output, final state and gradients bit-identical to one pass, and the oracle's. Without
+    kept states (keep_states False) the forward runs in one pass and the backward's forward in slabs."""
+    inputs = make_inputs(1, 300, 2, 16, 32, "bounded") + [torch.randn(1, 2, 16, 32, device=DEV)]
+    if not keep_states:
+        monkeypatch.setattr(kda_triton, "STATES_LIMIT_BYTES", -(1 << 62))
+    runs = []
+    for slab in (None, 128):  # 128, 128 and 44 tokens: the last slab ends in a part chunk
+        monkeypatch.setattr(kda_triton, "SLAB_TOKENS", slab)
+        loops = count_launches(monkeypatch, "_fwd_state_kernel")
+        xs = [x.clone().requires_grad_() for x in inputs]
+        o, ht = kda_triton.chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True)
+        torch.autograd.backward([o, ht], [torch.ones_like(o), torch.ones_like(ht)])
+        runs.append([o, ht] + [x.grad for x in xs])
+        monkeypatch.undo()  # the counter
+        if not keep_states:
+            monkeypatch.setattr(kda_triton, "STATES_LIMIT_BYTES", -(1 << 62))
+    assert len(loops) == (3 if keep_states else 1 + 3)  # the loops of the slabbed run
+    for name, a, b in zip("o ht q k v g beta h0".split(), *runs):
+        assert torch.equal(a, b), name
+    ys = [x.double().clone().requires_grad_() for x in inputs]
+    ro, rht = kda.naive_recurrent_kda(*ys[:5], initial_state=ys[5], output_final_state=True)
+    assert rel(runs[1][0], ro) < TOL and rel(runs[1][1], rht) < TOL
+
+
+@kernel_test
 def test_second_backward_through_the_kept_intermediates_is_identical():
     """The forward keeps A_qk and T for the backward: a second backward (retain_graph) must not see them changed,
     and a forward under no_grad keeps nothing that a backward would need (it has none)."""

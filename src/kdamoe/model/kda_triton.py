@@ -29,6 +29,7 @@ terms) and ``_bwd_dg`` (suffix sums of dΓ and the gate's chain rule). Launch se
 q/k L2 norm runs in torch before the kernels.
 """
 
+import contextlib
 import functools
 
 import torch
@@ -71,6 +72,9 @@ LAUNCH = {
 # registers (1.91 -> 1.86 ms) and `_bwd_v`'s at 2 stages (1.41 -> 1.33) made the whole forward+backward 1.3-1.6 %
 # faster at every size in session 11 (tune_kda_h200_s11.json, kda_h200_s11_ab.json); in session 9 the same
 # `_bwd_intra` pick, with other kernels then, had made it 2-3 % slower: every pick goes through an A/B.
+# A single sequence's forward runs in SLABS slabs of at least SLAB_MIN_TOKENS tokens when its chunk loop leaves
+# SMs idle (`_slab_tokens`); SLAB_TOKENS forces a slab length (tests: the slabbed path under the interpreter).
+SLABS, SLAB_MIN_TOKENS, SLAB_TOKENS = 16, 4096, None
 SLICE = {"wu_k": 64, "wu_v": 64, "bwd_intra_k": 128, "bwd_da_k": 64}
 
 
@@ -853,6 +857,86 @@ def _fwd_loop_bv(BV, N, H, V, device):
     return 16 if _few_loop_programs(BV, N, H, V, device) else BV
 
 
+def _slab_tokens(N, TT, H, V, BV, device):
+    """Tokens per slab of a single sequence's forward, or None (one pass). The chunk loop of one long sequence has
+    too few programs to fill the GPU; in slabs, the parallel kernels of slab j+1 and the O kernel of slab j−1 run
+    beside the loop of slab j (on another stream). Same kernels, same arithmetic: bit-identical to one pass."""
+    if N != 1:
+        return None
+    if SLAB_TOKENS is not None:
+        L = SLAB_TOKENS
+    elif _few_loop_programs(BV, N, H, V, device):
+        L = max(SLAB_MIN_TOKENS, triton.cdiv(TT, SLABS * CHUNK) * CHUNK)
+    else:
+        return None
+    return L if TT > L else None
+
+
+@functools.lru_cache(maxsize=None)
+def _loop_stream(device):
+    """The stream of the slabbed forward's chunk loops, at high priority: the loop is the critical path, the
+    parallel kernels fill the SMs around it."""
+    return torch.cuda.Stream(device, priority=-1)
+
+
+def _prep(q, k, v, g, beta, gate, scale, safe, tables, aqk, tinv, w, kd, u0, qg, dl, hs_kept, intra, gam=None):
+    """The parallel kernels before the chunk loop, over the chunks of ``tables`` (all tensors are views of the same
+    rows): Γ (into ``gam``, else a new tensor), with ``intra`` A_qk and T (else given: the backward), then W, U0 (U
+    from the per-chunk states ``hs_kept``), K e^{Γ_C − Γ}, e^{Γ_C} and Q e^Γ (into ``qg`` unless None). Returns Γ."""
+    TT, H, K = q.shape
+    V = v.shape[-1]
+    _, _, cstart, cend, NC = tables
+    BK, BVf, _ = _launch_cfg(K, V)
+    mode, a, dtb, lb = gate
+    gam = torch.empty(TT, H, K, device=q.device, dtype=torch.float32) if gam is None else gam
+    if NC == 0:
+        return gam
+    _gate_cumsum_kernel[(NC, H)](g, a, dtb, gam, cstart, cend, lb, H, K, BK, GATE=mode, **LAUNCH["gate_cumsum"])
+    if intra:
+        akk = torch.empty(TT, H, 64, device=q.device, dtype=torch.float32)
+        _intra_kernel[(NC * 4, H)](q, k, gam, beta, akk, aqk, cstart, cend, scale, H, K, BK, SAFE=safe,
+                                  **LAUNCH["intra"])
+        _solve_kernel[(NC, H)](akk, tinv, cstart, cend, H, TF32=_lp(q) and tinv.element_size() == 2,
+                               **LAUNCH["solve"])
+        del akk
+    _wu_kernel[(NC, H)](q, k, v, beta, gam, tinv, w, u0, qg if qg is not None else w, kd, dl,
+                        hs_kept if hs_kept is not None else dl, cstart, cend, scale, H, K, V, min(BK, SLICE["wu_k"]),
+                        min(BVf, SLICE["wu_v"]), STORE_QG=qg is not None, U_FROM_STATES=hs_kept is not None,
+                        LP=_lp(q), **LAUNCH["wu"])
+    return gam
+
+
+def _loop(tables, q, gam, aqk, o, kd, dl, w, u0, h0, ht, hs, scale):
+    """The chunk loop over the sequences of ``tables``: U0 → U in place, the per-chunk states into ``hs`` (else O,
+    from Q and Γ), the final states into ``ht`` (unless None), from ``h0`` (unless None)."""
+    TT, H, K = q.shape
+    V = u0.shape[-1]
+    cu, coff = tables[:2]
+    N = cu.numel() - 1
+    BK, _, BV = _launch_cfg(K, V)
+    BVl = _fwd_loop_bv(BV, N, H, V, q.device)
+    dummy = dl
+    # 2 pipeline stages (prefetch) fit shared memory with 16-bit W and Kd up to BK = 128
+    _fwd_state_kernel[(triton.cdiv(V, BVl), N, H)](
+        q, gam if gam is not None else dummy, aqk, o if o is not None else dummy, kd, dl, w, u0,
+        h0 if h0 is not None else dummy, ht if ht is not None else dummy, hs if hs is not None else dummy, cu, coff,
+        scale, H, K, V, BK, BVl, HAS_H0=h0 is not None, STORE_HT=ht is not None, STORE_H=hs is not None,
+        WRITE_O=hs is None, LP=_lp(q), num_stages=2 if BK <= 128 else 1,
+        **LAUNCH["fwd_state" if hs is not None else "fwd_state_o"])
+
+
+def _out(tables, qg, aqk, hs, us, o):
+    """``O = Qg S0 + P U`` of every chunk of ``tables``, in parallel, from the per-chunk states ``hs``."""
+    _, _, cstart, cend, NC = tables
+    H, K = qg.shape[1:]
+    V = o.shape[-1]
+    BK, BVf, _ = _launch_cfg(K, V)
+    BVo = min(BVf, 64)
+    if NC > 0:
+        _fwd_o_kernel[(NC * triton.cdiv(V, BVo), H)](qg, aqk, hs, us, o, cstart, cend, H, K, V, BK, BVo,
+                                                   **LAUNCH["fwd_o"])
+
+
 def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state, for_backward=False,
              keep_prep=False, prep=None):
     """Run the forward kernels on flat ``[TT, H, *]`` tensors; ``gate = (mode, exp(A_log) [H], dt_bias [H*K],
@@ -866,24 +950,14 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     N = cu.numel() - 1
     BK, BVf, BV = _launch_cfg(K, V)
     f32 = dict(device=q.device, dtype=torch.float32)
-    mode, a, dtb, lb = gate
+    x = (q, k, v, g, beta)
     # allocated in order of use and freed early: a 1M-token forward keeps only what the chunk loop reads
     aqk, tinv, hs_kept = prep if prep is not None else (None, None, None)
-    gam = torch.empty(TT, H, K, **f32)
-    if NC > 0:
-        _gate_cumsum_kernel[(NC, H)](g, a, dtb, gam, cstart, cend, lb, H, K, BK, GATE=mode, **LAUNCH["gate_cumsum"])
+    # T in bf16 with bf16 inputs (as fla-core's A_kk⁻¹): half its bytes in `_wu`, `_bwd_v`, `_bwd_da` and kept for
+    # the backward; every dot reading it widens it to fp32
+    t16 = dict(device=q.device, dtype=torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32)
     if prep is None:
-        # T in bf16 with bf16 inputs (as fla-core's A_kk⁻¹): half its bytes in `_wu`, `_bwd_v`, `_bwd_da` and kept
-        # for the backward; every dot reading it widens it to fp32
-        t16 = dict(device=q.device, dtype=torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32)
-        aqk, tinv = torch.empty(TT, H, 64, **f32), torch.empty(TT, H, 64, **t16)
-    if NC > 0 and prep is None:
-        akk = torch.empty(TT, H, 64, **f32)
-        _intra_kernel[(NC * 4, H)](q, k, gam, beta, akk, aqk, cstart, cend, scale, H, K, BK, SAFE=safe,
-                                  **LAUNCH["intra"])
-        _solve_kernel[(NC, H)](akk, tinv, cstart, cend, H, TF32=_lp(q) and tinv.element_size() == 2,
-                               **LAUNCH["solve"])
-        del akk
+        aqk = torch.empty(TT, H, 64, **f32)
     # W, K e^{Γ_C − Γ}, Q e^Γ and the per-chunk states (and their gradients) are stored in the inputs' 16-bit dtype:
     # half the bytes the loops read, 1.2-1.3x faster fwd+bwd (H200). P stays fp32, and so does U (U0, overwritten
     # with U by the loop) for the backward: their rounding is what reaches the output and gradients
@@ -896,21 +970,31 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     u0 = torch.empty(TT, H, V, **(f32 if for_backward else lp))
     # Per-chunk states: kept when the backward needs them, or when they take at most Γ's bytes plus
     # STATES_LIMIT_BYTES; then O runs in a parallel kernel and the loop prefetches.
-    keep_states = for_backward or NC * H * K * V * w.element_size() <= STATES_LIMIT_BYTES + gam.numel() * 4
+    keep_states = for_backward or NC * H * K * V * w.element_size() <= STATES_LIMIT_BYTES + TT * H * K * 4
     # Q e^Γ (times scale) for the backward and for the parallel O kernel (16 bits: a third of the bytes of Q and Γ)
     qg = torch.empty(TT, H, K, **lp) if keep_states else None
     dl = torch.empty(max(NC, 1), H, K, **f32)
-    if NC > 0:
-        _wu_kernel[(NC, H)](q, k, v, beta, gam, tinv, w, u0, qg if keep_states else w, kd, dl,
-                            hs_kept if hs_kept is not None else dl, cstart, cend, scale, H, K, V,
-                            min(BK, SLICE["wu_k"]), min(BVf, SLICE["wu_v"]), STORE_QG=keep_states,
-                            U_FROM_STATES=hs_kept is not None, LP=_lp(q), **LAUNCH["wu"])
-    out = dict(aqk=aqk, tinv=tinv, w=w, qg=qg, kd=kd, dl=dl)
-    if not (for_backward or keep_prep):
-        del out["tinv"], tinv
-    if for_backward:
-        out["gam"] = gam
-    elif keep_states:
+    out = dict(aqk=aqk, w=w, qg=qg, kd=kd, dl=dl)
+    keep_tinv = for_backward or keep_prep or prep is not None
+    L = _slab_tokens(N, TT, H, V, BV, q.device) if keep_states and hs_kept is None else None
+    if L is not None:
+        # slabs: Γ, A_kk (and T unless kept) per slab; the loop of slab j beside the parallel kernels of slab j+1
+        gam = torch.empty(TT, H, K, **f32) if for_backward else None
+        if prep is None and keep_tinv:
+            tinv = torch.empty(TT, H, 64, **t16)
+        ht = torch.empty(N, H, K, V, **f32) if (output_final_state and not for_backward) else None
+        hs = torch.empty(max(NC, 1), H, K, V, **lp)
+        o = None if for_backward else torch.empty(TT, H, V, device=q.device, dtype=q.dtype)
+        _slabbed(x, gate, scale, safe, L, prep is None, aqk, tinv, w, kd, u0, qg, dl, hs, o, h0, ht, gam, t16)
+        out.update(tinv=tinv if keep_tinv else None, gam=gam, o=o, ht=ht, hs=hs, us=u0)
+        return out
+    if prep is None:
+        tinv = torch.empty(TT, H, 64, **t16)
+    gam = _prep(*x, gate, scale, safe, tables, aqk, tinv, w, kd, u0, qg, dl, hs_kept, intra=prep is None)
+    out["tinv"] = tinv if keep_tinv else None
+    del tinv
+    out["gam"] = gam if for_backward else None
+    if keep_states and not for_backward:
         gam = None  # read again only by a loop that writes O: its bytes go to the per-chunk states
     if hs_kept is not None:  # the backward, with the forward's states: _wu_kernel computed U, no loop
         out.update(o=None, ht=None, hs=hs_kept, us=u0)
@@ -918,22 +1002,61 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     ht = torch.empty(N, H, K, V, **f32) if (output_final_state and not for_backward) else None
     hs = torch.empty(max(NC, 1), H, K, V, **lp) if keep_states else None
     o = None if for_backward else torch.empty(TT, H, V, device=q.device, dtype=q.dtype)
-    dummy = dl
-    BVl = _fwd_loop_bv(BV, N, H, V, q.device)
-    # 2 pipeline stages (prefetch) fit shared memory with 16-bit W and Kd up to BK = 128
-    _fwd_state_kernel[(triton.cdiv(V, BVl), N, H)](
-        q, gam if gam is not None else dummy, aqk, o if o is not None else dummy, kd, dl, w, u0,
-        h0 if h0 is not None else dummy, ht if ht is not None else dummy, hs if hs is not None else dummy, cu, coff,
-        scale, H, K, V, BK, BVl,
-        HAS_H0=h0 is not None, STORE_HT=ht is not None, STORE_H=keep_states, WRITE_O=not keep_states, LP=_lp(q),
-        num_stages=2 if BK <= 128 else 1, **LAUNCH["fwd_state" if keep_states else "fwd_state_o"])
-    if o is not None and keep_states and NC > 0:
-        BVo = min(BVf, 64)
-        _fwd_o_kernel[(NC * triton.cdiv(V, BVo), H)](qg, aqk, hs, u0, o, cstart, cend, H, K, V, BK, BVo,
-                                                   **LAUNCH["fwd_o"])
-    us = u0  # U0 was overwritten with U
-    out.update(o=o, ht=ht, hs=hs, us=us)
+    if NC > 0:
+        _loop(tables, q, gam, aqk, o, kd, dl, w, u0, h0, ht, hs, scale)
+    if o is not None and keep_states:
+        _out(tables, qg, aqk, hs, u0, o)
+    out.update(o=o, ht=ht, hs=hs, us=u0)  # U0 was overwritten with U
     return out
+
+
+def _slabbed(x, gate, scale, safe, L, intra, aqk, tinv, w, kd, u0, qg, dl, hs, o, h0, ht, gam, t16):
+    """The forward of one sequence in slabs of L tokens (a multiple of the chunk), each slab a sequence of its own
+    whose initial state is the previous slab's final state (fp32, as the loop carries it). On a GPU the loops run
+    on ``_loop_stream`` (each after its slab's parallel kernels), the O kernel of slab j after slab j's loop and
+    slab j+1's parallel kernels. ``tinv``, ``gam``: None to allocate them per slab."""
+    q = x[0]
+    TT, H, K = q.shape
+    V = u0.shape[-1]
+    cuda = q.is_cuda
+    main = torch.cuda.current_stream(q.device) if cuda else None
+    side = _loop_stream(q.device) if cuda else None
+    carry = [torch.empty(1, H, K, V, device=q.device, dtype=torch.float32) for _ in range(2)]
+    if cuda:
+        side.wait_stream(main)
+    pending = None
+    for j, s0 in enumerate(range(0, TT, L)):
+        s1 = min(s0 + L, TT)
+        c0, c1 = s0 // CHUNK, triton.cdiv(s1, CHUNK)
+        tab = _fixed_chunk_tables(1, s1 - s0, q.device)
+        rows = [t[s0:s1] if t is not None else None for t in (aqk, tinv, w, kd, u0, qg, o, gam)]
+        aqk_j, tinv_j, w_j, kd_j, u0_j, qg_j, o_j, gam_j = rows
+        if tinv_j is None:
+            tinv_j = torch.empty(s1 - s0, H, 64, **t16)
+        _prep(*(t[s0:s1] for t in x), gate, scale, safe, tab, aqk_j, tinv_j, w_j, kd_j, u0_j, qg_j, dl[c0:c1], None,
+              intra, gam=gam_j)
+        h_in = h0 if j == 0 else carry[(j - 1) % 2]
+        h_out = ht if s1 == TT else carry[j % 2]
+        ready = main.record_event() if cuda else None
+        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+            if cuda:
+                side.wait_event(ready)
+            _loop(tab, q[s0:s1], None, aqk_j, o_j, kd_j, dl[c0:c1], w_j, u0_j, h_in, h_out, hs[c0:c1], scale)
+            done = side.record_event() if cuda else None
+        if pending is not None:
+            _finish_slab(main, *pending)
+        pending = (done, tab, qg_j, aqk_j, hs[c0:c1], u0_j, o_j)
+    _finish_slab(main, *pending)
+    if cuda:
+        main.wait_stream(side)
+
+
+def _finish_slab(main, done, tab, qg, aqk, hs, us, o):
+    """A slab's O kernel, on the main stream once its loop is done (nothing for the backward's forward)."""
+    if done is not None:
+        main.wait_event(done)
+    if o is not None:
+        _out(tab, qg, aqk, hs, us, o)
 
 
 def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep):
