@@ -194,26 +194,30 @@ def test_backward_without_kept_states_matches_oracle(monkeypatch):
 
 
 @kernel_test
+@pytest.mark.parametrize("B,T,slabs", [(1, 300, 3), (2, 300, 6), (3, 100, 3), (5, 50, 3)])
 @pytest.mark.parametrize("keep_states", [True, False])
-def test_slabbed_forward_is_bit_identical_to_one_pass(monkeypatch, keep_states):
-    """A single sequence's forward in slabs (on a GPU the loop of one slab beside the parallel kernels of the next,
-    on another stream): output, final state and gradients bit-identical to one pass, and the oracle's. Without
-    kept states (keep_states False) the forward runs in one pass and the backward's forward in slabs."""
-    inputs = make_inputs(1, 300, 2, 16, 32, "bounded") + [torch.randn(1, 2, 16, 32, device=DEV)]
-    if not keep_states:
-        monkeypatch.setattr(kda_triton, "STATES_LIMIT_BYTES", -(1 << 62))
+def test_slabbed_forward_backward_bit_identical_to_one_pass(monkeypatch, B, T, slabs, keep_states):
+    """A fixed-length batch in slabs of 128 tokens (on a GPU the chunk loop of one slab beside the parallel kernels
+    of the next, on another stream): parts of 128, 128 and 44 tokens of each sequence (T = 300; carried states), or
+    groups of whole sequences (T = 100: one a slab, T = 50: two). Output, final states and gradients bit-identical
+    to one pass, and the oracle's. Without kept states the forward runs in one pass, the backward's forward in
+    slabs. The reverse loop runs in slabs when sequences are split (a group's would run one group at a time)."""
+    inputs = make_inputs(B, T, 2, 16, 32, "bounded") + [torch.randn(B, 2, 16, 32, device=DEV)]
+    cotangents = [torch.randn(B, T, 2, 32, device=DEV), torch.randn(B, 2, 16, 32, device=DEV)]
     runs = []
-    for slab in (None, 128):  # 128, 128 and 44 tokens: the last slab ends in a part chunk
+    for slab in (None, 128):
         monkeypatch.setattr(kda_triton, "SLAB_TOKENS", slab)
-        loops = count_launches(monkeypatch, "_fwd_state_kernel")
-        xs = [x.clone().requires_grad_() for x in inputs]
-        o, ht = kda_triton.chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True)
-        torch.autograd.backward([o, ht], [torch.ones_like(o), torch.ones_like(ht)])
-        runs.append([o, ht] + [x.grad for x in xs])
-        monkeypatch.undo()  # the counter
         if not keep_states:
             monkeypatch.setattr(kda_triton, "STATES_LIMIT_BYTES", -(1 << 62))
-    assert len(loops) == (3 if keep_states else 1 + 3)  # the loops of the slabbed run
+        loops = count_launches(monkeypatch, "_fwd_state_kernel")
+        rev = count_launches(monkeypatch, "_bwd_state_kernel")
+        xs = [x.clone().requires_grad_() for x in inputs]
+        o, ht = kda_triton.chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True)
+        torch.autograd.backward([o, ht], cotangents)
+        runs.append([o, ht] + [x.grad for x in xs])
+        monkeypatch.undo()
+    assert len(loops) == (slabs if keep_states else 1 + slabs)
+    assert len(rev) == (slabs if T > 128 else 1)
     for name, a, b in zip("o ht q k v g beta h0".split(), *runs):
         assert torch.equal(a, b), name
     ys = [x.double().clone().requires_grad_() for x in inputs]

@@ -72,9 +72,9 @@ LAUNCH = {
 # registers (1.91 -> 1.86 ms) and `_bwd_v`'s at 2 stages (1.41 -> 1.33) made the whole forward+backward 1.3-1.6 %
 # faster at every size in session 11 (tune_kda_h200_s11.json, kda_h200_s11_ab.json); in session 9 the same
 # `_bwd_intra` pick, with other kernels then, had made it 2-3 % slower: every pick goes through an A/B.
-# A single sequence's forward runs in SLABS slabs of at least SLAB_MIN_TOKENS tokens when its chunk loop leaves
-# SMs idle (`_slab_tokens`); SLAB_TOKENS forces a slab length (tests: the slabbed path under the interpreter).
-SLABS, SLAB_MIN_TOKENS, SLAB_TOKENS = 16, 4096, None
+# Slabs of a fixed-length batch (`_slab_plan`): about SLABS of them, each of at least SLAB_MIN_TOKEN_HEADS
+# token-heads; SLAB_TOKENS forces a slab length (tests: the slabbed paths under the interpreter).
+SLABS, SLAB_MIN_TOKEN_HEADS, SLAB_TOKENS = 8, 1 << 17, None
 SLICE = {"wu_k": 64, "wu_v": 64, "bwd_intra_k": 128, "bwd_da_k": 64}
 
 
@@ -857,19 +857,31 @@ def _fwd_loop_bv(BV, N, H, V, device):
     return 16 if _few_loop_programs(BV, N, H, V, device) else BV
 
 
-def _slab_tokens(N, TT, H, V, BV, device):
-    """Tokens per slab of a single sequence's forward, or None (one pass). The chunk loop of one long sequence has
-    too few programs to fill the GPU; in slabs, the parallel kernels of slab j+1 and the O kernel of slab j−1 run
-    beside the loop of slab j (on another stream). Same kernels, same arithmetic: bit-identical to one pass."""
-    if N != 1:
-        return None
+def _slab_plan(B, T, H, device):
+    """Slabs of a fixed-length batch's forward and backward, or None (one pass): ``(s0, s1, c0, c1, n, b, first,
+    last)`` = token rows s0:s1 and chunks c0:c1 holding sequences b .. b+n−1 whole (``first`` and ``last`` set), or
+    one part of sequence b (n = 1) that is its first / last part or neither. The chunk loops are latency-bound
+    (one long sequence: a few programs per head); in slabs, the loop of one slab runs on a second stream beside the
+    parallel kernels of the next (forward) or previous one (backward). Same kernels, same arithmetic: the results
+    are bit-identical to one pass. A slab holds at least SLAB_MIN_TOKEN_HEADS token-heads (the launches of a slab
+    cost ~0.1 ms of host time) and there are about SLABS of them; SLAB_TOKENS forces the slab length (tests)."""
     if SLAB_TOKENS is not None:
         L = SLAB_TOKENS
-    elif _few_loop_programs(BV, N, H, V, device):
-        L = max(SLAB_MIN_TOKENS, triton.cdiv(TT, SLABS * CHUNK) * CHUNK)
+    elif device.type == "cuda":
+        L = triton.cdiv(max(triton.cdiv(SLAB_MIN_TOKEN_HEADS, H), triton.cdiv(B * T, SLABS)), CHUNK) * CHUNK
     else:
         return None
-    return L if TT > L else None
+    if T == 0:
+        return None
+    nc = triton.cdiv(T, CHUNK)  # chunks per sequence
+    if T > L:  # parts of L tokens (a multiple of the chunk) of every sequence, in order
+        plan = [(b * T + t0, b * T + t1, b * nc + t0 // CHUNK, b * nc + triton.cdiv(t1, CHUNK), 1, b, t0 == 0, t1 == T)
+                for b in range(B) for t0 in range(0, T, L) for t1 in [min(t0 + L, T)]]
+    else:  # groups of whole sequences
+        n = max(1, L // T)
+        plan = [(b * T, min(b + n, B) * T, b * nc, min(b + n, B) * nc, min(n, B - b), b, True, True)
+                for b in range(0, B, n)]
+    return plan if len(plan) > 1 else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -938,12 +950,13 @@ def _out(tables, qg, aqk, hs, us, o):
 
 
 def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state, for_backward=False,
-             keep_prep=False, prep=None):
+             keep_prep=False, prep=None, plan=None):
     """Run the forward kernels on flat ``[TT, H, *]`` tensors; ``gate = (mode, exp(A_log) [H], dt_bias [H*K],
     lower_bound)`` (mode 0: ``g`` is the log-decay; 1 bounded / 2 softplus: ``g`` is the raw gate input).
     ``keep_prep``: also return ``T = (I + A_kk)⁻¹`` (for the autograd forward: its backward then passes ``prep =
     (A_qk, T, states or None)`` back and skips the intra and solve kernels, with the per-chunk states the chunk loop:
-    ``_wu_kernel`` then computes U from them). Returns a dict of outputs and intermediates."""
+    ``_wu_kernel`` then computes U from them). ``plan``: slabs (``_slab_plan``) or None. Returns a dict of outputs
+    and intermediates."""
     TT, H, K = q.shape
     V = v.shape[-1]
     cu, coff, cstart, cend, NC = tables
@@ -976,8 +989,7 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     dl = torch.empty(max(NC, 1), H, K, **f32)
     out = dict(aqk=aqk, w=w, qg=qg, kd=kd, dl=dl)
     keep_tinv = for_backward or keep_prep or prep is not None
-    L = _slab_tokens(N, TT, H, V, BV, q.device) if keep_states and hs_kept is None else None
-    if L is not None:
+    if plan is not None and keep_states and hs_kept is None:
         # slabs: Γ, A_kk (and T unless kept) per slab; the loop of slab j beside the parallel kernels of slab j+1
         gam = torch.empty(TT, H, K, **f32) if for_backward else None
         if prep is None and keep_tinv:
@@ -985,7 +997,8 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
         ht = torch.empty(N, H, K, V, **f32) if (output_final_state and not for_backward) else None
         hs = torch.empty(max(NC, 1), H, K, V, **lp)
         o = None if for_backward else torch.empty(TT, H, V, device=q.device, dtype=q.dtype)
-        _slabbed(x, gate, scale, safe, L, prep is None, aqk, tinv, w, kd, u0, qg, dl, hs, o, h0, ht, gam, t16)
+        _slabbed_forward(plan, x, gate, scale, safe, prep is None, aqk, tinv, w, kd, u0, qg, dl, hs, o, h0, ht, gam,
+                         t16)
         out.update(tinv=tinv if keep_tinv else None, gam=gam, o=o, ht=ht, hs=hs, us=u0)
         return out
     if prep is None:
@@ -1010,62 +1023,72 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     return out
 
 
-def _slabbed(x, gate, scale, safe, L, intra, aqk, tinv, w, kd, u0, qg, dl, hs, o, h0, ht, gam, t16):
-    """The forward of one sequence in slabs of L tokens (a multiple of the chunk), each slab a sequence of its own
-    whose initial state is the previous slab's final state (fp32, as the loop carries it). On a GPU the loops run
-    on ``_loop_stream`` (each after its slab's parallel kernels), the O kernel of slab j after slab j's loop and
-    slab j+1's parallel kernels. ``tinv``, ``gam``: None to allocate them per slab."""
+def _slabbed_forward(plan, x, gate, scale, safe, intra, aqk, tinv, w, kd, u0, qg, dl, hs, o, h0, ht, gam, t16):
+    """The forward in the slabs of ``plan``, each a batch of its own whose initial states are ``h0``'s rows or the
+    previous part's final state (fp32, as the loop carries it). On a GPU the loops run on ``_loop_stream``, each
+    after its slab's parallel kernels, and the O kernel of a slab after its loop and the next slab's parallel
+    kernels. ``tinv``, ``gam``: None to allocate them per slab."""
     q = x[0]
-    TT, H, K = q.shape
+    H, K = q.shape[1:]
     V = u0.shape[-1]
-    cuda = q.is_cuda
-    main = torch.cuda.current_stream(q.device) if cuda else None
-    side = _loop_stream(q.device) if cuda else None
+    main, side = _streams(q.device)
     carry = [torch.empty(1, H, K, V, device=q.device, dtype=torch.float32) for _ in range(2)]
-    if cuda:
-        side.wait_stream(main)
+
+    def finish(done, tab, R, C):  # the slab's O kernel once its loop is done (none for the backward's forward)
+        if done is not None:
+            main.wait_event(done)
+        if o is not None:
+            _out(tab, qg[R], aqk[R], hs[C], u0[R], o[R])
+
     pending = None
-    for j, s0 in enumerate(range(0, TT, L)):
-        s1 = min(s0 + L, TT)
-        c0, c1 = s0 // CHUNK, triton.cdiv(s1, CHUNK)
-        tab = _fixed_chunk_tables(1, s1 - s0, q.device)
-        rows = [t[s0:s1] if t is not None else None for t in (aqk, tinv, w, kd, u0, qg, o, gam)]
-        aqk_j, tinv_j, w_j, kd_j, u0_j, qg_j, o_j, gam_j = rows
-        if tinv_j is None:
-            tinv_j = torch.empty(s1 - s0, H, 64, **t16)
-        _prep(*(t[s0:s1] for t in x), gate, scale, safe, tab, aqk_j, tinv_j, w_j, kd_j, u0_j, qg_j, dl[c0:c1], None,
-              intra, gam=gam_j)
-        h_in = h0 if j == 0 else carry[(j - 1) % 2]
-        h_out = ht if s1 == TT else carry[j % 2]
-        ready = main.record_event() if cuda else None
-        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
-            if cuda:
-                side.wait_event(ready)
-            _loop(tab, q[s0:s1], None, aqk_j, o_j, kd_j, dl[c0:c1], w_j, u0_j, h_in, h_out, hs[c0:c1], scale)
-            done = side.record_event() if cuda else None
+    for j, (s0, s1, c0, c1, n, b, first, last) in enumerate(plan):
+        tab = _fixed_chunk_tables(n, (s1 - s0) // n, q.device)
+        R, C = slice(s0, s1), slice(c0, c1)
+        aqk_j, w_j, kd_j, u0_j, qg_j = aqk[R], w[R], kd[R], u0[R], qg[R]
+        tinv_j = torch.empty(s1 - s0, H, 64, **t16) if tinv is None else tinv[R]
+        _prep(*(t[R] for t in x), gate, scale, safe, tab, aqk_j, tinv_j, w_j, kd_j, u0_j, qg_j, dl[C], None, intra,
+              gam=None if gam is None else gam[R])
+        h_in = (h0[b:b + n] if h0 is not None else None) if first else carry[(j - 1) % 2]
+        h_out = (ht[b:b + n] if ht is not None else None) if last else carry[j % 2]
+        with _on(side, main):
+            _loop(tab, q[R], None, aqk_j, None if o is None else o[R], kd_j, dl[C], w_j, u0_j, h_in, h_out, hs[C],
+                  scale)
+            done = side.record_event() if side is not None else None
         if pending is not None:
-            _finish_slab(main, *pending)
-        pending = (done, tab, qg_j, aqk_j, hs[c0:c1], u0_j, o_j)
-    _finish_slab(main, *pending)
-    if cuda:
+            finish(*pending)
+        pending = (done, tab, R, C)
+    finish(*pending)
+    if side is not None:
         main.wait_stream(side)
 
 
-def _finish_slab(main, done, tab, qg, aqk, hs, us, o):
-    """A slab's O kernel, on the main stream once its loop is done (nothing for the backward's forward)."""
-    if done is not None:
-        main.wait_event(done)
-    if o is not None:
-        _out(tab, qg, aqk, hs, us, o)
+def _streams(device):
+    """The current stream and the loops' stream on a GPU; (None, None) on the CPU (the interpreter)."""
+    if device.type != "cuda":
+        return None, None
+    return torch.cuda.current_stream(device), _loop_stream(device)
 
 
-def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep):
+@contextlib.contextmanager
+def _on(side, main, wait=True):
+    """Run the block on ``side``, with ``wait`` once the work enqueued so far on ``main`` is done (on the CPU: in
+    place)."""
+    if side is None:
+        yield
+        return
+    if wait:
+        side.wait_stream(main)
+    with torch.cuda.stream(side):
+        yield
+
+
+def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep, plan=None):
     TT, H, K = q.shape
     V = v.shape[-1]
     cu, coff, cstart, cend, NC = tables
     N = cu.numel() - 1
     BK, BVf, BV = _launch_cfg(K, V)
-    fw = _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, False, for_backward=True, prep=prep)
+    fw = _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, False, for_backward=True, prep=prep, plan=plan)
     f32 = dict(device=q.device, dtype=torch.float32)
     dhs = torch.empty_like(fw["hs"])  # 16-bit with 16-bit inputs, as the states
     dus = torch.empty(TT, H, V, **f32)
@@ -1075,46 +1098,112 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep):
         BVo = min(BVf, 64)
         _bwd_du0_kernel[(NC * triton.cdiv(V, BVo), H)](fw["aqk"], do, dus, cstart, cend, H, V, BVo,
                                                       **LAUNCH["bwd_du0"])
+    mode = gate[0]
+    dq, dk, dv, dg, db = (torch.empty_like(t) for t in (q, k, v, g, beta))
+    # the fused gate's per-chunk partial gradients of A_log and dt_bias (zeros when there is no chunk)
+    parts = (torch.zeros(max(NC, 1), H, **f32), torch.zeros(max(NC, 1), H, K, **f32)) if mode else None
+    grads = (dq, dk, dv, dg, db)
+    x = (q, k, v, g, beta)
+    if plan is not None and any(not (first and last) for *_, first, last in plan):
+        _slabbed_backward(plan, x, gate, scale, safe, fw, do, dht, dh0, dhs, dus, grads, parts)
+    else:  # one pass (also for groups of whole sequences: their reverse loops would run one group at a time)
+        _rev_loop(tables, fw, do, dht, dh0, dhs, dus)
+        if NC > 0:
+            _bwd_chunks(tables, slice(None), slice(None), x, gate, scale, safe, fw, do, dhs, dus, grads, parts)
+    dgate = (parts[0].sum(0), parts[1].sum(0)) if mode else None
+    return dq, dk, dv, dg, db, dh0, dgate
+
+
+def _rev_loop(tables, fw, do, dht, dh0, dhs, dus):
+    """The reverse chunk loop over the sequences of ``tables`` (tensors: views of the same rows and chunks),
+    carrying dS from ``dht`` (unless None) into ``dh0`` (unless None): dS entering every chunk into ``dhs``, dU
+    completed in ``dus``."""
+    cu, coff = tables[:2]
+    N = cu.numel() - 1
+    w = fw["w"]
+    H, K = w.shape[1:]
+    V = do.shape[-1]
+    BK, BVf, BV = _launch_cfg(K, V)
     # with bf16 dots (LPS) the reverse loop is built and launched as fla-core's: 64-wide V blocks, 4 warps, 3 stages
     # (its loads then feed the dots and are pipelined: 197 KB of shared memory at K = V = 128, compile_kda.py).
     # Otherwise 32-wide blocks: at 16 it was slower, and wrong at 8 warps in triton 3.6 (H200)
-    lps = _lp(q) and q.dtype == torch.bfloat16
+    lps = _lp(w) and w.dtype == torch.bfloat16
     BVr = min(BVf, 64) if lps else BV
-    few = _few_loop_programs(BVr, N, H, V, q.device)
+    few = _few_loop_programs(BVr, N, H, V, w.device)
     # 2 stages only when the [64, BK] tiles it prefetches are at most 256 B a row (16-bit at BK <= 128): fp32 inputs
     # at head dim 128 overflowed the H200's shared memory
     launch = dict(LAUNCH["bwd_state_lp" if lps else "bwd_state_few" if few else "bwd_state"],
-                  **({"num_stages": 1} if BK * fw["w"].element_size() > 256 else {}))
+                  **({"num_stages": 1} if BK * w.element_size() > 256 else {}))
     _bwd_state_kernel[(triton.cdiv(V, BVr), N, H)](
-        fw["qg"], fw["kd"], fw["dl"], fw["w"], do, dht if dht is not None else dhs,
-        dh0 if dh0 is not None else dhs, dhs, dus, cu, coff, H, K, V, BK, BVr, HAS_DHT=dht is not None,
-        STORE_DH0=dh0 is not None, LP=_lp(q), LPS=lps, **launch)
-    dq, dk = torch.empty_like(q), torch.empty_like(k)
-    dg = torch.empty_like(g)
+        fw["qg"], fw["kd"], fw["dl"], w, do, dht if dht is not None else dhs, dh0 if dh0 is not None else dhs, dhs,
+        dus, cu, coff, H, K, V, BK, BVr, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, LP=_lp(w), LPS=lps,
+        **launch)
+
+
+def _bwd_chunks(tables, R, C, x, gate, scale, safe, fw, do, dhs, dus, grads, parts):
+    """The backward's parallel kernels after the reverse loop, over the chunks of ``tables``: token rows R and
+    chunks C of the full tensors. Writes the rows R of ``grads`` (dq, dk, dv, dg, dβ) and the chunks C of the gate's
+    partial gradients ``parts``."""
+    q, k, v, g, beta = (t[R] for t in x)
+    dq, dk, dv, dg, db = (t[R] for t in grads)
+    do, dus, us, tinv, gam = do[R], dus[R], fw["us"][R], fw["tinv"][R], fw["gam"][R]
+    hs, dhs = fw["hs"][C], dhs[C]
+    _, _, cstart, cend, NC = tables
+    TT, H, K = q.shape
+    V = v.shape[-1]
+    BK, _, BV = _launch_cfg(K, V)
     mode, a, dtb, lb = gate
-    # the fused gate's per-chunk partial gradients of A_log and dt_bias (zeros when there is no chunk)
-    da_part = torch.zeros(max(NC, 1), H, **f32) if mode else dg
-    ddtb_part = torch.zeros(max(NC, 1), H, K, **f32) if mode else dg
-    dv = torch.empty_like(v)
-    db = torch.empty_like(beta)
-    if NC > 0:
-        dqg, dkd, dw, dgam, dge = (torch.empty(TT, H, K, **f32) for _ in range(5))
-        da = torch.empty(TT, H, 64, **f32)  # dT from _bwd_v, then dA in place (_bwd_da); dw becomes Tᵀ dW there
-        dp = torch.empty(TT, H, 64, **f32)
-        db32 = torch.empty(TT, H, **f32)
-        dgc = torch.empty(NC, H, K, **f32)
-        _bwd_v_kernel[(NC, H)](v, beta, fw["tinv"], fw["hs"], dhs, fw["us"], dus, do, dv, dqg, dkd, dw, da, dp, db32,
-                               dgc, cstart, cend, scale, H, K, V, BK, BV, **LAUNCH["bwd_v"])
-        xpre = torch.empty(NC, H, 3, K, **f32)
-        _bwd_da_kernel[(NC, H)](k, beta, fw["gam"], fw["tinv"], dw, dkd, da, xpre, cstart, cend, H, K, BK,
-                                min(BK, SLICE["bwd_da_k"]), **LAUNCH["bwd_da"])
-        _bwd_intra_kernel[(NC * 4, H)](q, k, beta, fw["gam"], dqg, dkd, dw, dp, da, dgc, xpre, dgam, dge, db32, dq,
-                                      dk, db, cstart, cend, scale, H, K, BK, min(BK, SLICE["bwd_intra_k"]),
-                                      SAFE=safe, **LAUNCH["bwd_intra"])
-        _bwd_dg_kernel[(NC, H)](dgam, dge, g, a, dtb, dg, da_part, ddtb_part, cstart, cend, lb, H, K, BK, GATE=mode,
-                                **LAUNCH["bwd_dg"])
-    dgate = (da_part.sum(0), ddtb_part.sum(0)) if mode else None
-    return dq, dk, dv, dg, db, dh0, dgate
+    f32 = dict(device=q.device, dtype=torch.float32)
+    dqg, dkd, dw, dgam, dge = (torch.empty(TT, H, K, **f32) for _ in range(5))
+    da = torch.empty(TT, H, 64, **f32)  # dT from _bwd_v, then dA in place (_bwd_da); dw becomes Tᵀ dW there
+    dp = torch.empty(TT, H, 64, **f32)
+    db32 = torch.empty(TT, H, **f32)
+    dgc = torch.empty(NC, H, K, **f32)
+    _bwd_v_kernel[(NC, H)](v, beta, tinv, hs, dhs, us, dus, do, dv, dqg, dkd, dw, da, dp, db32, dgc, cstart, cend,
+                           scale, H, K, V, BK, BV, **LAUNCH["bwd_v"])
+    xpre = torch.empty(NC, H, 3, K, **f32)
+    _bwd_da_kernel[(NC, H)](k, beta, gam, tinv, dw, dkd, da, xpre, cstart, cend, H, K, BK,
+                            min(BK, SLICE["bwd_da_k"]), **LAUNCH["bwd_da"])
+    _bwd_intra_kernel[(NC * 4, H)](q, k, beta, gam, dqg, dkd, dw, dp, da, dgc, xpre, dgam, dge, db32, dq, dk, db,
+                                  cstart, cend, scale, H, K, BK, min(BK, SLICE["bwd_intra_k"]), SAFE=safe,
+                                  **LAUNCH["bwd_intra"])
+    da_part, ddtb_part = (parts[0][C], parts[1][C]) if mode else (dg, dg)
+    _bwd_dg_kernel[(NC, H)](dgam, dge, g, a, dtb, dg, da_part, ddtb_part, cstart, cend, lb, H, K, BK, GATE=mode,
+                            **LAUNCH["bwd_dg"])
+
+
+def _slabbed_backward(plan, x, gate, scale, safe, fw, do, dht, dh0, dhs, dus, grads, parts):
+    """The backward after the recomputed forward, in the slabs of ``plan`` from the last: the reverse loop of a slab
+    on ``_loop_stream`` (dS carried between the parts of a sequence in fp32), the parallel kernels of the slab
+    after it, beside the reverse loop of the slab before."""
+    q = x[0]
+    H, K = q.shape[1:]
+    V = do.shape[-1]
+    main, side = _streams(q.device)
+    carry = [torch.empty(1, H, K, V, device=q.device, dtype=torch.float32) for _ in range(2)]
+
+    def finish(done, tab, R, C):
+        if done is not None:
+            main.wait_event(done)
+        _bwd_chunks(tab, R, C, x, gate, scale, safe, fw, do, dhs, dus, grads, parts)
+
+    pending = None
+    for j in reversed(range(len(plan))):
+        s0, s1, c0, c1, n, b, first, last = plan[j]
+        tab = _fixed_chunk_tables(n, (s1 - s0) // n, q.device)
+        R, C = slice(s0, s1), slice(c0, c1)
+        view = dict(qg=fw["qg"][R], kd=fw["kd"][R], dl=fw["dl"][C], w=fw["w"][R])
+        d_in = (dht[b:b + n] if dht is not None else None) if last else carry[(j + 1) % 2]
+        d_out = (dh0[b:b + n] if dh0 is not None else None) if first else carry[j % 2]
+        with _on(side, main, wait=pending is None):  # the loops need only the recomputed forward and dU0
+            _rev_loop(tab, view, do[R], d_in, d_out, dhs[C], dus[R])
+            done = side.record_event() if side is not None else None
+        if pending is not None:
+            finish(*pending)
+        pending = (done, tab, R, C)
+    finish(*pending)
+    if side is not None:
+        main.wait_stream(side)
 
 
 class _ChunkKDAFunction(torch.autograd.Function):
@@ -1124,11 +1213,12 @@ class _ChunkKDAFunction(torch.autograd.Function):
         B, T, H, K = q.shape
         V = v.shape[-1]
         tables = _chunk_tables(B, T, cu_seqlens, q.device)
+        plan = _slab_plan(B, T, H, q.device) if cu_seqlens is None else None
         flat = [x.contiguous().reshape(B * T, H, -1) for x in (q, k, v, g)]
         bflat = beta.contiguous().reshape(B * T, H)
         h0c = None if h0 is None else h0.contiguous()
         fw = _forward(*flat, bflat, _gate_args(mode, A_log, dt_bias, lb, H, K, q.device), scale, h0c, tables, safe,
-                      output_final_state, keep_prep=grad)
+                      output_final_state, keep_prep=grad, plan=plan)
         # A_qk (fp32) and T (bf16 with bf16 inputs), [B*T, H, 64] each, are kept for the backward: it skips the intra
         # and solve kernels; and the per-chunk states (16-bit with 16-bit inputs, [chunks, H, K, V]: 512 B per token
         # and head at K = V = 128) when they take at most STATES_LIMIT_BYTES: it skips the chunk loop too. Γ (fp32,
@@ -1138,7 +1228,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
         hs = hs if hs is not None and hs.numel() * hs.element_size() <= STATES_LIMIT_BYTES else None
         prep = (fw["aqk"], fw["tinv"], hs) if grad else (None, None, None)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, *prep)
-        ctx.tables, ctx.scale, ctx.safe, ctx.mode, ctx.lb = tables, scale, safe, mode, lb
+        ctx.tables, ctx.plan, ctx.scale, ctx.safe, ctx.mode, ctx.lb = tables, plan, scale, safe, mode, lb
         return fw["o"].reshape(B, T, H, V), fw["ht"]
 
     @staticmethod
@@ -1154,7 +1244,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
         h0c = None if h0 is None else h0.float().contiguous()
         gate = _gate_args(ctx.mode, A_log, dt_bias, ctx.lb, H, K, q.device)
         dq, dk, dv, dg, db, dh0, dgate = _backward(*flat, bflat, gate, ctx.scale, h0c, ctx.tables, ctx.safe,
-                                                   do.reshape(B * T, H, V), dht, prep=tuple(prep))
+                                                   do.reshape(B * T, H, V), dht, prep=tuple(prep), plan=ctx.plan)
         dA_log = ddt_bias = None
         if A_log is not None:  # the gate's chain rule ran in the last backward kernel
             dA_log = dgate[0].reshape(A_log.shape).to(A_log.dtype)
