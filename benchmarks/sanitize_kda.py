@@ -3,8 +3,8 @@
     compute-sanitizer --tool memcheck python3 benchmarks/sanitize_kda.py    # expect "ERROR SUMMARY: 0 errors"
 
 Paths: bf16 with both gates (dense and safe diagonal blocks), fp32 at head dim 64 with varlen documents, fp16 with
-a partial last chunk, two bf16 sequences in slabs of 128 tokens (the chunk loops on a second stream); each with an
-initial state and the final state. Prints whether every gradient is finite.
+a partial last chunk, one bf16 sequence of 300 tokens in slabs of 128 (the chunk loops on a second stream); each with
+an initial state and the final state. Prints whether every gradient is finite.
 (DEV=cpu with TRITON_INTERPRET=1 runs the same on the CPU.)
 """
 import os
@@ -28,7 +28,7 @@ def main():
     torch.manual_seed(0)
     for K, dt, gate, cu, slab in CASES:
         kda_triton.SLAB_TOKENS = slab
-        B, T, H = (1, cu[-1], 2) if cu else (2, 200, 2)
+        B, T, H = (1, cu[-1], 2) if cu else (1, 300, 2) if slab else (2, 200, 2)
         q = torch.randn(B, T, H, K, device=DEV, dtype=dt, requires_grad=True)
         k = torch.nn.functional.normalize(torch.randn(B, T, H, K, device=DEV), dim=-1).to(dt).requires_grad_()
         v = torch.randn(B, T, H, K, device=DEV, dtype=dt, requires_grad=True)

@@ -72,9 +72,10 @@ LAUNCH = {
 # registers (1.91 -> 1.86 ms) and `_bwd_v`'s at 2 stages (1.41 -> 1.33) made the whole forward+backward 1.3-1.6 %
 # faster at every size in session 11 (tune_kda_h200_s11.json, kda_h200_s11_ab.json); in session 9 the same
 # `_bwd_intra` pick, with other kernels then, had made it 2-3 % slower: every pick goes through an A/B.
-# Slabs of a fixed-length batch (`_slab_plan`): about SLABS of them, each of at least SLAB_MIN_TOKEN_HEADS
-# token-heads; SLAB_TOKENS forces a slab length (tests: the slabbed paths under the interpreter).
-SLABS, SLAB_MIN_TOKEN_HEADS, SLAB_TOKENS = 8, 1 << 17, None
+# Slabs of a single sequence (`_slabs`): about SLABS of them, each of at least SLAB_MIN_TOKEN_HEADS token-heads (the
+# forward's and the backward's: a forward slab's 6 launches are less GPU work); SLAB_TOKENS forces a slab length
+# (tests: the slabbed paths under the interpreter).
+SLABS, SLAB_MIN_TOKEN_HEADS, SLAB_TOKENS = 8, dict(forward=1 << 18, backward=1 << 17), None
 SLICE = {"wu_k": 64, "wu_v": 64, "bwd_intra_k": 128, "bwd_da_k": 64}
 
 
@@ -857,31 +858,23 @@ def _fwd_loop_bv(BV, N, H, V, device):
     return 16 if _few_loop_programs(BV, N, H, V, device) else BV
 
 
-def _slab_plan(B, T, H, device):
-    """Slabs of a fixed-length batch's forward and backward, or None (one pass): ``(s0, s1, c0, c1, n, b, first,
-    last)`` = token rows s0:s1 and chunks c0:c1 holding sequences b .. b+n−1 whole (``first`` and ``last`` set), or
-    one part of sequence b (n = 1) that is its first / last part or neither. The chunk loops are latency-bound
-    (one long sequence: a few programs per head); in slabs, the loop of one slab runs on a second stream beside the
-    parallel kernels of the next (forward) or previous one (backward). Same kernels, same arithmetic: the results
-    are bit-identical to one pass. A slab holds at least SLAB_MIN_TOKEN_HEADS token-heads (the launches of a slab
-    cost ~0.1 ms of host time) and there are about SLABS of them; SLAB_TOKENS forces the slab length (tests)."""
+def _slabs(B, T, H, device, min_token_heads):
+    """Token ranges ``(s0, s1)`` of a single sequence's forward and backward in slabs, or None (one pass). The chunk
+    loop of one sequence is latency-bound (a few programs per head); in slabs, the loop of one slab runs on a second
+    stream beside the parallel kernels of the next slab (forward) or of the one after it (backward). Same kernels,
+    same arithmetic: the results are bit-identical to one pass. About SLABS slabs of at least ``min_token_heads``
+    token-heads (a slab's launches cost host time); SLAB_TOKENS forces the length (tests). Batches of several
+    sequences run in one pass: in slabs of whole sequences their loops would run one sequence at a time (4x8K:
+    1.89 -> 2.20 ms forward, H200)."""
+    if B != 1 or T == 0:
+        return None
     if SLAB_TOKENS is not None:
         L = SLAB_TOKENS
     elif device.type == "cuda":
-        L = triton.cdiv(max(triton.cdiv(SLAB_MIN_TOKEN_HEADS, H), triton.cdiv(B * T, SLABS)), CHUNK) * CHUNK
+        L = triton.cdiv(max(triton.cdiv(min_token_heads, H), triton.cdiv(T, SLABS)), CHUNK) * CHUNK
     else:
         return None
-    if T == 0:
-        return None
-    nc = triton.cdiv(T, CHUNK)  # chunks per sequence
-    if T > L:  # parts of L tokens (a multiple of the chunk) of every sequence, in order
-        plan = [(b * T + t0, b * T + t1, b * nc + t0 // CHUNK, b * nc + triton.cdiv(t1, CHUNK), 1, b, t0 == 0, t1 == T)
-                for b in range(B) for t0 in range(0, T, L) for t1 in [min(t0 + L, T)]]
-    else:  # groups of whole sequences
-        n = max(1, L // T)
-        plan = [(b * T, min(b + n, B) * T, b * nc, min(b + n, B) * nc, min(n, B - b), b, True, True)
-                for b in range(0, B, n)]
-    return plan if len(plan) > 1 else None
+    return [(s0, min(s0 + L, T)) for s0 in range(0, T, L)] if T > L else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -950,13 +943,13 @@ def _out(tables, qg, aqk, hs, us, o):
 
 
 def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state, for_backward=False,
-             keep_prep=False, prep=None, plan=None):
+             keep_prep=False, prep=None, slabs=None):
     """Run the forward kernels on flat ``[TT, H, *]`` tensors; ``gate = (mode, exp(A_log) [H], dt_bias [H*K],
     lower_bound)`` (mode 0: ``g`` is the log-decay; 1 bounded / 2 softplus: ``g`` is the raw gate input).
     ``keep_prep``: also return ``T = (I + A_kk)⁻¹`` (for the autograd forward: its backward then passes ``prep =
     (A_qk, T, states or None)`` back and skips the intra and solve kernels, with the per-chunk states the chunk loop:
-    ``_wu_kernel`` then computes U from them). ``plan``: slabs (``_slab_plan``) or None. Returns a dict of outputs
-    and intermediates."""
+    ``_wu_kernel`` then computes U from them). ``slabs``: token ranges (``_slabs``) or None. Returns a dict of
+    outputs and intermediates."""
     TT, H, K = q.shape
     V = v.shape[-1]
     cu, coff, cstart, cend, NC = tables
@@ -989,7 +982,7 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     dl = torch.empty(max(NC, 1), H, K, **f32)
     out = dict(aqk=aqk, w=w, qg=qg, kd=kd, dl=dl)
     keep_tinv = for_backward or keep_prep or prep is not None
-    if plan is not None and keep_states and hs_kept is None:
+    if slabs is not None and keep_states and hs_kept is None:
         # slabs: Γ, A_kk (and T unless kept) per slab; the loop of slab j beside the parallel kernels of slab j+1
         gam = torch.empty(TT, H, K, **f32) if for_backward else None
         if prep is None and keep_tinv:
@@ -997,7 +990,7 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
         ht = torch.empty(N, H, K, V, **f32) if (output_final_state and not for_backward) else None
         hs = torch.empty(max(NC, 1), H, K, V, **lp)
         o = None if for_backward else torch.empty(TT, H, V, device=q.device, dtype=q.dtype)
-        _slabbed_forward(plan, x, gate, scale, safe, prep is None, aqk, tinv, w, kd, u0, qg, dl, hs, o, h0, ht, gam,
+        _slabbed_forward(slabs, x, gate, scale, safe, prep is None, aqk, tinv, w, kd, u0, qg, dl, hs, o, h0, ht, gam,
                          t16)
         out.update(tinv=tinv if keep_tinv else None, gam=gam, o=o, ht=ht, hs=hs, us=u0)
         return out
@@ -1023,11 +1016,11 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     return out
 
 
-def _slabbed_forward(plan, x, gate, scale, safe, intra, aqk, tinv, w, kd, u0, qg, dl, hs, o, h0, ht, gam, t16):
-    """The forward in the slabs of ``plan``, each a batch of its own whose initial states are ``h0``'s rows or the
-    previous part's final state (fp32, as the loop carries it). On a GPU the loops run on ``_loop_stream``, each
-    after its slab's parallel kernels, and the O kernel of a slab after its loop and the next slab's parallel
-    kernels. ``tinv``, ``gam``: None to allocate them per slab."""
+def _slabbed_forward(slabs, x, gate, scale, safe, intra, aqk, tinv, w, kd, u0, qg, dl, hs, o, h0, ht, gam, t16):
+    """The forward of one sequence in ``slabs``, each a sequence of its own whose initial state is the previous
+    slab's final state (fp32, as the loop carries it). On a GPU the loops run on ``_loop_stream``, each after its
+    slab's parallel kernels, and the O kernel of a slab after its loop and the next slab's parallel kernels.
+    ``tinv``, ``gam``: None to allocate them per slab."""
     q = x[0]
     H, K = q.shape[1:]
     V = u0.shape[-1]
@@ -1041,17 +1034,16 @@ def _slabbed_forward(plan, x, gate, scale, safe, intra, aqk, tinv, w, kd, u0, qg
             _out(tab, qg[R], aqk[R], hs[C], u0[R], o[R])
 
     pending = None
-    for j, (s0, s1, c0, c1, n, b, first, last) in enumerate(plan):
-        tab = _fixed_chunk_tables(n, (s1 - s0) // n, q.device)
-        R, C = slice(s0, s1), slice(c0, c1)
-        aqk_j, w_j, kd_j, u0_j, qg_j = aqk[R], w[R], kd[R], u0[R], qg[R]
+    for j, (s0, s1) in enumerate(slabs):
+        tab = _fixed_chunk_tables(1, s1 - s0, q.device)
+        R, C = slice(s0, s1), slice(s0 // CHUNK, triton.cdiv(s1, CHUNK))
         tinv_j = torch.empty(s1 - s0, H, 64, **t16) if tinv is None else tinv[R]
-        _prep(*(t[R] for t in x), gate, scale, safe, tab, aqk_j, tinv_j, w_j, kd_j, u0_j, qg_j, dl[C], None, intra,
+        _prep(*(t[R] for t in x), gate, scale, safe, tab, aqk[R], tinv_j, w[R], kd[R], u0[R], qg[R], dl[C], None, intra,
               gam=None if gam is None else gam[R])
-        h_in = (h0[b:b + n] if h0 is not None else None) if first else carry[(j - 1) % 2]
-        h_out = (ht[b:b + n] if ht is not None else None) if last else carry[j % 2]
+        h_in = h0 if j == 0 else carry[(j - 1) % 2]
+        h_out = ht if j == len(slabs) - 1 else carry[j % 2]
         with _on(side, main):
-            _loop(tab, q[R], None, aqk_j, None if o is None else o[R], kd_j, dl[C], w_j, u0_j, h_in, h_out, hs[C],
+            _loop(tab, q[R], None, aqk[R], None if o is None else o[R], kd[R], dl[C], w[R], u0[R], h_in, h_out, hs[C],
                   scale)
             done = side.record_event() if side is not None else None
         if pending is not None:
@@ -1082,13 +1074,13 @@ def _on(side, main, wait=True):
         yield
 
 
-def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep, plan=None):
+def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep, slabs=None):
     TT, H, K = q.shape
     V = v.shape[-1]
     cu, coff, cstart, cend, NC = tables
     N = cu.numel() - 1
     BK, BVf, BV = _launch_cfg(K, V)
-    fw = _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, False, for_backward=True, prep=prep, plan=plan)
+    fw = _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, False, for_backward=True, prep=prep, slabs=slabs)
     f32 = dict(device=q.device, dtype=torch.float32)
     dhs = torch.empty_like(fw["hs"])  # 16-bit with 16-bit inputs, as the states
     dus = torch.empty(TT, H, V, **f32)
@@ -1104,9 +1096,9 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep, pl
     parts = (torch.zeros(max(NC, 1), H, **f32), torch.zeros(max(NC, 1), H, K, **f32)) if mode else None
     grads = (dq, dk, dv, dg, db)
     x = (q, k, v, g, beta)
-    if plan is not None and any(not (first and last) for *_, first, last in plan):
-        _slabbed_backward(plan, x, gate, scale, safe, fw, do, dht, dh0, dhs, dus, grads, parts)
-    else:  # one pass (also for groups of whole sequences: their reverse loops would run one group at a time)
+    if slabs is not None:
+        _slabbed_backward(slabs, x, gate, scale, safe, fw, do, dht, dh0, dhs, dus, grads, parts)
+    else:
         _rev_loop(tables, fw, do, dht, dh0, dhs, dus)
         if NC > 0:
             _bwd_chunks(tables, slice(None), slice(None), x, gate, scale, safe, fw, do, dhs, dus, grads, parts)
@@ -1172,10 +1164,10 @@ def _bwd_chunks(tables, R, C, x, gate, scale, safe, fw, do, dhs, dus, grads, par
                             **LAUNCH["bwd_dg"])
 
 
-def _slabbed_backward(plan, x, gate, scale, safe, fw, do, dht, dh0, dhs, dus, grads, parts):
-    """The backward after the recomputed forward, in the slabs of ``plan`` from the last: the reverse loop of a slab
-    on ``_loop_stream`` (dS carried between the parts of a sequence in fp32), the parallel kernels of the slab
-    after it, beside the reverse loop of the slab before."""
+def _slabbed_backward(slabs, x, gate, scale, safe, fw, do, dht, dh0, dhs, dus, grads, parts):
+    """The backward of one sequence after the recomputed forward, in ``slabs`` from the last: the reverse loop of a
+    slab on ``_loop_stream`` (dS carried between slabs in fp32), the slab's parallel kernels after it, beside the
+    reverse loop of the slab before."""
     q = x[0]
     H, K = q.shape[1:]
     V = do.shape[-1]
@@ -1188,13 +1180,13 @@ def _slabbed_backward(plan, x, gate, scale, safe, fw, do, dht, dh0, dhs, dus, gr
         _bwd_chunks(tab, R, C, x, gate, scale, safe, fw, do, dhs, dus, grads, parts)
 
     pending = None
-    for j in reversed(range(len(plan))):
-        s0, s1, c0, c1, n, b, first, last = plan[j]
-        tab = _fixed_chunk_tables(n, (s1 - s0) // n, q.device)
-        R, C = slice(s0, s1), slice(c0, c1)
+    for j in reversed(range(len(slabs))):
+        s0, s1 = slabs[j]
+        tab = _fixed_chunk_tables(1, s1 - s0, q.device)
+        R, C = slice(s0, s1), slice(s0 // CHUNK, triton.cdiv(s1, CHUNK))
         view = dict(qg=fw["qg"][R], kd=fw["kd"][R], dl=fw["dl"][C], w=fw["w"][R])
-        d_in = (dht[b:b + n] if dht is not None else None) if last else carry[(j + 1) % 2]
-        d_out = (dh0[b:b + n] if dh0 is not None else None) if first else carry[j % 2]
+        d_in = dht if j == len(slabs) - 1 else carry[(j + 1) % 2]
+        d_out = dh0 if j == 0 else carry[j % 2]
         with _on(side, main, wait=pending is None):  # the loops need only the recomputed forward and dU0
             _rev_loop(tab, view, do[R], d_in, d_out, dhs[C], dus[R])
             done = side.record_event() if side is not None else None
@@ -1213,12 +1205,12 @@ class _ChunkKDAFunction(torch.autograd.Function):
         B, T, H, K = q.shape
         V = v.shape[-1]
         tables = _chunk_tables(B, T, cu_seqlens, q.device)
-        plan = _slab_plan(B, T, H, q.device) if cu_seqlens is None else None
+        slabs = _slabs(B, T, H, q.device, SLAB_MIN_TOKEN_HEADS["forward"]) if cu_seqlens is None else None
         flat = [x.contiguous().reshape(B * T, H, -1) for x in (q, k, v, g)]
         bflat = beta.contiguous().reshape(B * T, H)
         h0c = None if h0 is None else h0.contiguous()
         fw = _forward(*flat, bflat, _gate_args(mode, A_log, dt_bias, lb, H, K, q.device), scale, h0c, tables, safe,
-                      output_final_state, keep_prep=grad, plan=plan)
+                      output_final_state, keep_prep=grad, slabs=slabs)
         # A_qk (fp32) and T (bf16 with bf16 inputs), [B*T, H, 64] each, are kept for the backward: it skips the intra
         # and solve kernels; and the per-chunk states (16-bit with 16-bit inputs, [chunks, H, K, V]: 512 B per token
         # and head at K = V = 128) when they take at most STATES_LIMIT_BYTES: it skips the chunk loop too. Γ (fp32,
@@ -1228,7 +1220,8 @@ class _ChunkKDAFunction(torch.autograd.Function):
         hs = hs if hs is not None and hs.numel() * hs.element_size() <= STATES_LIMIT_BYTES else None
         prep = (fw["aqk"], fw["tinv"], hs) if grad else (None, None, None)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, *prep)
-        ctx.tables, ctx.plan, ctx.scale, ctx.safe, ctx.mode, ctx.lb = tables, plan, scale, safe, mode, lb
+        ctx.slabs = _slabs(B, T, H, q.device, SLAB_MIN_TOKEN_HEADS["backward"]) if cu_seqlens is None else None
+        ctx.tables, ctx.scale, ctx.safe, ctx.mode, ctx.lb = tables, scale, safe, mode, lb
         return fw["o"].reshape(B, T, H, V), fw["ht"]
 
     @staticmethod
@@ -1244,7 +1237,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
         h0c = None if h0 is None else h0.float().contiguous()
         gate = _gate_args(ctx.mode, A_log, dt_bias, ctx.lb, H, K, q.device)
         dq, dk, dv, dg, db, dh0, dgate = _backward(*flat, bflat, gate, ctx.scale, h0c, ctx.tables, ctx.safe,
-                                                   do.reshape(B * T, H, V), dht, prep=tuple(prep), plan=ctx.plan)
+                                                   do.reshape(B * T, H, V), dht, prep=tuple(prep), slabs=ctx.slabs)
         dA_log = ddt_bias = None
         if A_log is not None:  # the gate's chain rule ran in the last backward kernel
             dA_log = dgate[0].reshape(A_log.shape).to(A_log.dtype)
