@@ -455,6 +455,30 @@ def test_gpu_backward_with_more_loop_programs_than_sms(D):
 
 
 @gpu_only
+def test_gpu_long_sequence_in_slabs_bit_identical_to_one_pass(monkeypatch):
+    """At H = 16 a 20K-token sequence takes the automatic slabs (forward 2, backward 3: loops on a second stream
+    beside the parallel kernels): output, final state and gradients bit-identical to one pass, output within the
+    bf16 bound of the float64 chunked reference."""
+    T, H, D = 20000, 16, 128
+    dev = torch.device(DEV)
+    assert len(kda_triton._slabs(1, T, H, dev, kda_triton.SLAB_MIN_TOKEN_HEADS["forward"])) == 2
+    assert len(kda_triton._slabs(1, T, H, dev, kda_triton.SLAB_MIN_TOKEN_HEADS["backward"])) == 3
+    inputs = make_inputs(1, T, H, D, D, dtype=torch.bfloat16, seed=11) + [torch.randn(1, H, D, D, device=DEV)]
+    cotangents = [torch.randn(1, T, H, D, device=DEV, dtype=torch.bfloat16), torch.randn(1, H, D, D, device=DEV)]
+    runs = []
+    for slab in (1 << 40, None):  # one pass, then the automatic slabs
+        monkeypatch.setattr(kda_triton, "SLAB_TOKENS", slab)
+        xs = [x.clone().requires_grad_() for x in inputs]
+        o, ht = kda_triton.chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True)
+        torch.autograd.backward([o, ht], cotangents)
+        runs.append([o, ht] + [x.grad for x in xs])
+    for name, a, b in zip("o ht q k v g beta h0".split(), *runs):
+        assert torch.equal(a, b), name
+    ro, rht = oracle(*inputs[:5], h0=inputs[5])
+    assert rel(runs[1][0], ro) < 5e-3 and rel(runs[1][1], rht) < 5e-3
+
+
+@gpu_only
 def test_gpu_one_million_tokens_at_the_floor_is_finite():
     T = 1 << 20
     q, k, v, g, beta = make_inputs(1, T, 2, 128, 128, dtype=torch.bfloat16)

@@ -26,7 +26,9 @@ bf16 inputs, output included; fla-core keeps 0.5 KB and recomputes its states); 
 runs again instead), then ``_bwd_du0`` (Pᵀ dO), ``_bwd_state`` (the reverse loop carrying dS), ``_bwd_v`` (sums
 over V), ``_bwd_da`` (dA = −Tᵀ dT Tᵀ, Tᵀ dW), ``_bwd_intra`` (dq, dk, dβ and dΓ per 16-row block: dense and pairwise
 terms) and ``_bwd_dg`` (suffix sums of dΓ and the gate's chain rule). Launch settings per kernel: ``LAUNCH``. The
-q/k L2 norm runs in torch before the kernels.
+q/k L2 norm runs in torch before the kernels. A single long sequence runs in slabs (``_slabs``): the chunk loop of
+a slab on a second CUDA stream beside the parallel kernels of the next slab (forward) or of the one after it
+(backward, from the last slab), the state carried between slabs in fp32: bit-identical to one pass.
 """
 
 import contextlib
