@@ -881,8 +881,8 @@ def _slabs(B, T, H, device, min_token_heads):
 
 @functools.lru_cache(maxsize=None)
 def _loop_stream(device):
-    """The stream of the slabbed forward's chunk loops, at high priority: the loop is the critical path, the
-    parallel kernels fill the SMs around it."""
+    """The stream of the slabbed chunk loops (forward and reverse), at high priority: the loops are the critical
+    path, the parallel kernels fill the SMs around them."""
     return torch.cuda.Stream(device, priority=-1)
 
 
@@ -954,9 +954,8 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     outputs and intermediates."""
     TT, H, K = q.shape
     V = v.shape[-1]
-    cu, coff, cstart, cend, NC = tables
+    cu, *_, NC = tables
     N = cu.numel() - 1
-    BK, BVf, BV = _launch_cfg(K, V)
     f32 = dict(device=q.device, dtype=torch.float32)
     x = (q, k, v, g, beta)
     # allocated in order of use and freed early: a 1M-token forward keeps only what the chunk loop reads
@@ -1079,9 +1078,9 @@ def _on(side, main, wait=True):
 def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep, slabs=None):
     TT, H, K = q.shape
     V = v.shape[-1]
-    cu, coff, cstart, cend, NC = tables
+    cu, _, cstart, cend, NC = tables
     N = cu.numel() - 1
-    BK, BVf, BV = _launch_cfg(K, V)
+    BVf = _launch_cfg(K, V)[1]
     fw = _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, False, for_backward=True, prep=prep, slabs=slabs)
     f32 = dict(device=q.device, dtype=torch.float32)
     dhs = torch.empty_like(fw["hs"])  # 16-bit with 16-bit inputs, as the states
