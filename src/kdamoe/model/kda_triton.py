@@ -1019,60 +1019,62 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
 
 def _slabbed_forward(slabs, x, gate, scale, safe, intra, aqk, tinv, w, kd, u0, qg, dl, hs, o, h0, ht, gam, t16):
     """The forward of one sequence in ``slabs``, each a sequence of its own whose initial state is the previous
-    slab's final state (fp32, as the loop carries it). On a GPU the loops run on ``_loop_stream``, each after its
-    slab's parallel kernels, and the O kernel of a slab after its loop and the next slab's parallel kernels.
-    ``tinv``, ``gam``: None to allocate them per slab."""
+    slab's final state (fp32, as the loop carries it): a slab's parallel kernels, then its loop on the loop stream,
+    then its O kernel (none for the backward's forward). ``tinv``, ``gam``: None to allocate them per slab."""
     q = x[0]
     H, K = q.shape[1:]
     V = u0.shape[-1]
-    main, side = _streams(q.device)
     carry = [torch.empty(1, H, K, V, device=q.device, dtype=torch.float32) for _ in range(2)]
 
-    def finish(done, tab, R, C):  # the slab's O kernel once its loop is done (none for the backward's forward)
-        if done is not None:
-            main.wait_event(done)
+    def prep(j, tab, R, C):
+        tinv_j = torch.empty(R.stop - R.start, H, 64, **t16) if tinv is None else tinv[R]
+        _prep(*(t[R] for t in x), gate, scale, safe, tab, aqk[R], tinv_j, w[R], kd[R], u0[R], qg[R], dl[C], None, intra,
+              gam=None if gam is None else gam[R])
+
+    def loop(j, tab, R, C):
+        h_in = h0 if j == 0 else carry[(j - 1) % 2]
+        h_out = ht if j == len(slabs) - 1 else carry[j % 2]
+        _loop(tab, q[R], None, aqk[R], None if o is None else o[R], kd[R], dl[C], w[R], u0[R], h_in, h_out, hs[C],
+              scale)
+
+    def out(j, tab, R, C):
         if o is not None:
             _out(tab, qg[R], aqk[R], hs[C], u0[R], o[R])
 
+    _pipeline(q.device, slabs, range(len(slabs)), prep, loop, out, wait_each=True)
+
+
+def _pipeline(device, slabs, order, before, loop, after, wait_each):
+    """Slab j of ``slabs`` (in ``order``): ``before`` on the current stream, ``loop`` on ``_loop_stream`` once the
+    current stream's work so far is done (with ``wait_each`` False only for the first slab: the loops then need
+    nothing the current stream does later), and ``after`` on the current stream once that loop is done and the
+    next slab's loop is enqueued. Each is called with (j, tables, token rows, chunks); None skips ``before``. On
+    the CPU (the interpreter) all in order on the one stream."""
+    cuda = device.type == "cuda"
+    main, side = (torch.cuda.current_stream(device), _loop_stream(device)) if cuda else (None, None)
+
+    def finish(done, args):
+        if done is not None:
+            main.wait_event(done)
+        after(*args)
+
     pending = None
-    for j, (s0, s1) in enumerate(slabs):
-        tab = _fixed_chunk_tables(1, s1 - s0, q.device)
-        R, C = slice(s0, s1), slice(s0 // CHUNK, triton.cdiv(s1, CHUNK))
-        tinv_j = torch.empty(s1 - s0, H, 64, **t16) if tinv is None else tinv[R]
-        _prep(*(t[R] for t in x), gate, scale, safe, tab, aqk[R], tinv_j, w[R], kd[R], u0[R], qg[R], dl[C], None, intra,
-              gam=None if gam is None else gam[R])
-        h_in = h0 if j == 0 else carry[(j - 1) % 2]
-        h_out = ht if j == len(slabs) - 1 else carry[j % 2]
-        with _on(side, main):
-            _loop(tab, q[R], None, aqk[R], None if o is None else o[R], kd[R], dl[C], w[R], u0[R], h_in, h_out, hs[C],
-                  scale)
-            done = side.record_event() if side is not None else None
+    for j in order:
+        s0, s1 = slabs[j]
+        args = (j, _fixed_chunk_tables(1, s1 - s0, device), slice(s0, s1), slice(s0 // CHUNK, triton.cdiv(s1, CHUNK)))
+        if before is not None:
+            before(*args)
+        if cuda and (wait_each or pending is None):
+            side.wait_stream(main)
+        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+            loop(*args)
+            done = side.record_event() if cuda else None
         if pending is not None:
             finish(*pending)
-        pending = (done, tab, R, C)
+        pending = (done, args)
     finish(*pending)
-    if side is not None:
+    if cuda:
         main.wait_stream(side)
-
-
-def _streams(device):
-    """The current stream and the loops' stream on a GPU; (None, None) on the CPU (the interpreter)."""
-    if device.type != "cuda":
-        return None, None
-    return torch.cuda.current_stream(device), _loop_stream(device)
-
-
-@contextlib.contextmanager
-def _on(side, main, wait=True):
-    """Run the block on ``side``, with ``wait`` once the work enqueued so far on ``main`` is done (on the CPU: in
-    place)."""
-    if side is None:
-        yield
-        return
-    if wait:
-        side.wait_stream(main)
-    with torch.cuda.stream(side):
-        yield
 
 
 def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep, slabs=None):
@@ -1167,36 +1169,24 @@ def _bwd_chunks(tables, R, C, x, gate, scale, safe, fw, do, dhs, dus, grads, par
 
 def _slabbed_backward(slabs, x, gate, scale, safe, fw, do, dht, dh0, dhs, dus, grads, parts):
     """The backward of one sequence after the recomputed forward, in ``slabs`` from the last: the reverse loop of a
-    slab on ``_loop_stream`` (dS carried between slabs in fp32), the slab's parallel kernels after it, beside the
+    slab on the loop stream (dS carried between slabs in fp32), the slab's parallel kernels after it, beside the
     reverse loop of the slab before."""
     q = x[0]
     H, K = q.shape[1:]
     V = do.shape[-1]
-    main, side = _streams(q.device)
     carry = [torch.empty(1, H, K, V, device=q.device, dtype=torch.float32) for _ in range(2)]
 
-    def finish(done, tab, R, C):
-        if done is not None:
-            main.wait_event(done)
-        _bwd_chunks(tab, R, C, x, gate, scale, safe, fw, do, dhs, dus, grads, parts)
-
-    pending = None
-    for j in reversed(range(len(slabs))):
-        s0, s1 = slabs[j]
-        tab = _fixed_chunk_tables(1, s1 - s0, q.device)
-        R, C = slice(s0, s1), slice(s0 // CHUNK, triton.cdiv(s1, CHUNK))
+    def loop(j, tab, R, C):
         view = dict(qg=fw["qg"][R], kd=fw["kd"][R], dl=fw["dl"][C], w=fw["w"][R])
         d_in = dht if j == len(slabs) - 1 else carry[(j + 1) % 2]
         d_out = dh0 if j == 0 else carry[j % 2]
-        with _on(side, main, wait=pending is None):  # the loops need only the recomputed forward and dU0
-            _rev_loop(tab, view, do[R], d_in, d_out, dhs[C], dus[R])
-            done = side.record_event() if side is not None else None
-        if pending is not None:
-            finish(*pending)
-        pending = (done, tab, R, C)
-    finish(*pending)
-    if side is not None:
-        main.wait_stream(side)
+        _rev_loop(tab, view, do[R], d_in, d_out, dhs[C], dus[R])
+
+    def chunks(j, tab, R, C):
+        _bwd_chunks(tab, R, C, x, gate, scale, safe, fw, do, dhs, dus, grads, parts)
+
+    # the reverse loops need only the recomputed forward and dU0: one wait, before the first
+    _pipeline(q.device, slabs, reversed(range(len(slabs))), None, loop, chunks, wait_each=False)
 
 
 class _ChunkKDAFunction(torch.autograd.Function):
