@@ -13,6 +13,7 @@ import time
 import torch
 import triton
 
+from bench_kda import H, make, run_ours
 from kdamoe.model import kda_triton
 
 
@@ -21,17 +22,13 @@ def main():
     ap.add_argument("--sizes", default="1x32768,1x131072")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "host_time_kda.json"))
     args = ap.parse_args()
-    H, D = 16, 128
     rows = []
     for size in args.sizes.split(","):
         B, T = map(int, size.split("x"))
-        q, k, v = (torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        k = torch.nn.functional.normalize(k.float(), dim=-1).bfloat16()
-        g = torch.randn(B, T, H, D, device="cuda", dtype=torch.bfloat16)
-        beta = torch.rand(B, T, H, device="cuda", dtype=torch.bfloat16)
+        x = make(B, T)  # bench_kda.py's inputs: H = 16, head dim 128, bf16, the bounded gate's raw input
 
         def run():
-            return kda_triton.chunk_kda_triton(q, k, v, g, beta, use_gate_in_kernel=True, lower_bound=-5.0)
+            return run_ours(x, "bounded")
 
         for mode, forced in (("one pass", 1 << 40), ("slabs", None)):
             kda_triton.SLAB_TOKENS = forced
@@ -44,7 +41,8 @@ def main():
                 host = (time.perf_counter() - t0) / 20 * 1e3
                 torch.cuda.synchronize()
                 gpu = triton.testing.do_bench(run)
-            slabs = None if forced else kda_triton._slabs(B, T, H, q.device, kda_triton.SLAB_MIN_TOKEN_HEADS["forward"])
+            slabs = None if forced else kda_triton._slabs(B, T, H, x["q"].device,
+                                                          kda_triton.SLAB_MIN_TOKEN_HEADS["forward"])
             rows.append(dict(size=size, mode=mode, slabs=len(slabs) if slabs else 1, host_ms=host, gpu_ms=gpu))
             print(f"{size:>9} {mode:>8} ({rows[-1]['slabs']} slabs): host {host:.3f} ms per call, do_bench {gpu:.3f} ms")
         kda_triton.SLAB_TOKENS = None
