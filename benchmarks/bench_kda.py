@@ -154,24 +154,25 @@ def peak_forward(fn, x, gate):
     return ms, torch.cuda.max_memory_allocated() / 2**30, ok
 
 
-def profile_ours(B, T):
-    """Per-kernel CUDA times of one forward and one forward+backward of ours, both gates."""
+def profile(B, T, impls):
+    """Per-kernel CUDA times of one forward and one forward+backward of each of ``impls`` (name -> (fn, gate)):
+    ours and fla-core side by side, kernel by kernel."""
     x = make(B, T)
     for n in LEAVES:
         x[n].requires_grad_()
     do = torch.ones_like(x["v"])
-    for gate in ("bounded", "softplus"):
+    for name, (fn, gate) in impls.items():
         for bwd in (False, True):
             def step():
-                fwd_bwd(run_ours, x, gate, do) if bwd else run_ours(x, gate)
+                fwd_bwd(fn, x, gate, do) if bwd else fn(x, gate)
             for _ in range(2):
                 step()
             torch.cuda.synchronize()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 step()
                 torch.cuda.synchronize()
-            print(f"ours-{gate}, {B}x{T} {'fwd+bwd' if bwd else 'fwd'}, per kernel:")
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=40))
+            print(f"{name}, {B}x{T} {'fwd+bwd' if bwd else 'fwd'}, per kernel:")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=48))
 
 
 def gpu_checks():
@@ -218,7 +219,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="small sizes only")
     ap.add_argument("--fwd-only", action="store_true", help="skip the backward checks and timings")
-    ap.add_argument("--profile", action="store_true", help="per-kernel times of ours at the first of --sizes")
+    ap.add_argument("--profile", action="store_true", help="per-kernel times of each of --impls at the first of --sizes")
     ap.add_argument("--sizes", default="4x8192,1x32768,1x131072", help="comma-separated BxT")
     ap.add_argument("--impls", default="ours-bounded,ours-softplus,fla-bounded,sdpa", help="comma-separated")
     ap.add_argument("--skip-checks", action="store_true", help="no float64 / GPU checks (timings only)")
@@ -256,7 +257,7 @@ def main():
         impls["sdpa"] = (run_sdpa, None)
     sizes = [(1, 8192)] if args.quick else [tuple(int(x) for x in bt.split("x")) for bt in args.sizes.split(",")]
     if args.profile and not args.fwd_only:
-        profile_ours(*sizes[0])
+        profile(*sizes[0], impls)
     for B, T in sizes:
         x = make(B, T)
         for name, (fn, gate) in impls.items():
