@@ -20,7 +20,7 @@ softplus gate) the diagonal sub-blocks are computed pair by pair with masked exp
 Forward kernels: ``_gate_cumsum`` (fused gate, Γ), ``_intra`` (A_kk, A_qk per 16-row block), ``_solve`` (T by 16×16
 blocks), ``_wu`` (W, U0 and the loop's operands), ``_fwd_state`` (per sequence, head and V block: the sequential
 chunk loop) and ``_fwd_o`` (O per chunk, in parallel, from the stored states). Backward: the autograd forward keeps
-the inputs, A_qk, T and the per-chunk states (memory linear in T: 1.125 KB per token and head at K = V = 128 with
+the inputs, A_qk, T and the per-chunk states (memory linear in T: 1.0 KB per token and head at K = V = 128 with
 bf16 inputs, output included; fla-core keeps 0.5 KB and recomputes its states); the backward recomputes Γ and W, U0
 (``_wu`` turns U0 into U from the kept states: no second chunk loop; above ``STATES_LIMIT_BYTES`` of states the loop
 runs again instead), then ``_bwd_du0`` (Pᵀ dO), ``_bwd_state`` (the reverse loop carrying dS), ``_bwd_v`` (sums
@@ -378,7 +378,7 @@ def _fwd_state_kernel(q_ptr, gam_ptr, aqk_ptr, o_ptr, kd_ptr, dl_ptr, w_ptr, u_p
             qg = tl.load(q_ptr + bk + offk, mask=m2, other=0.0).to(tl.float32)
             qg *= tl.exp(tl.load(gam_ptr + bk + offk, mask=m2, other=0.0)) * scale
             aqk = tl.load(aqk_ptr + t0 * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None],
-                          other=0.0)
+                          other=0.0).to(tl.float32)
             o = tl.dot(qg, S) + tl.dot(aqk, u)
             tl.store(o_ptr + bv + offv, o.to(o_ptr.dtype.element_ty), mask=mv2)
         kd = tl.load(kd_ptr + bk + offk, mask=m2, other=0.0)
@@ -402,7 +402,7 @@ def _chunk_vblock(cstart_ptr, cend_ptr, V: tl.constexpr, BV: tl.constexpr):
 
 @triton.jit
 def _fwd_o_kernel(qg_ptr, aqk_ptr, hs_ptr, us_ptr, o_ptr, cstart_ptr, cend_ptr, H, K: tl.constexpr,
-                  V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                  V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr):
     """``O = Qg S0 + P U`` (``Qg = scale Q e^Γ`` as stored by ``_wu_kernel``) of one chunk and V block, from the
     states stored by the chunk loop."""
     c, h, cv, s, r, rv = _chunk_vblock(cstart_ptr, cend_ptr, V, BV)
@@ -412,13 +412,14 @@ def _fwd_o_kernel(qg_ptr, aqk_ptr, hs_ptr, us_ptr, o_ptr, cstart_ptr, cend_ptr, 
     mv2 = rv[:, None] & mv[None, :]
     offk = s * (H * K) + h * K + r[:, None] * (H * K) + ck[None, :]
     m2 = rv[:, None] & mk[None, :]
-    qg = tl.load(qg_ptr + offk, mask=m2, other=0.0).to(tl.float32)
+    qg = tl.load(qg_ptr + offk, mask=m2, other=0.0)
     s0 = tl.load(hs_ptr + (c * H + h).to(tl.int64) * (K * V) + ck[:, None] * V + cv[None, :],
-                 mask=mk[:, None] & mv[None, :], other=0.0).to(tl.float32)
-    aqk = tl.load(aqk_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None], other=0.0)
+                 mask=mk[:, None] & mv[None, :], other=0.0)
+    aqk = tl.load(aqk_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None],
+                  other=0.0).to(tl.float32)
     offv = s * (H * V) + h * V + r[:, None] * (H * V) + cv[None, :]
     u = tl.load(us_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
-    o = tl.dot(qg, s0) + tl.dot(aqk, u)
+    o = _lp_dot(qg, s0, LP) + tl.dot(aqk, u)  # Qg S0 in 16 bits costs no measurable error (notes); P U in tf32
     tl.store(o_ptr + offv, o.to(o_ptr.dtype.element_ty), mask=mv2)
 
 
@@ -486,7 +487,8 @@ def _bwd_du0_kernel(aqk_ptr, do_ptr, dus_ptr, cstart_ptr, cend_ptr, H, V: tl.con
     out of the sequential loop."""
     c, h, cv, s, r, rv = _chunk_vblock(cstart_ptr, cend_ptr, V, BV)
     mv2 = rv[:, None] & (cv < V)[None, :]
-    aqk = tl.load(aqk_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None], other=0.0)
+    aqk = tl.load(aqk_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None],
+                  other=0.0).to(tl.float32)
     offv = s * (H * V) + h * V + r[:, None] * (H * V) + cv[None, :]
     do = tl.load(do_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
     tl.store(dus_ptr + offv, tl.dot(tl.trans(aqk), do), mask=mv2)
@@ -940,7 +942,7 @@ def _out(tables, qg, aqk, hs, us, o):
     BK, BVf, _ = _launch_cfg(K, V)
     BVo = min(BVf, 64)
     if NC > 0:
-        _fwd_o_kernel[(NC * triton.cdiv(V, BVo), H)](qg, aqk, hs, us, o, cstart, cend, H, K, V, BK, BVo,
+        _fwd_o_kernel[(NC * triton.cdiv(V, BVo), H)](qg, aqk, hs, us, o, cstart, cend, H, K, V, BK, BVo, LP=_lp(qg),
                                                    **LAUNCH["fwd_o"])
 
 
@@ -960,11 +962,11 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     x = (q, k, v, g, beta)
     # allocated in order of use and freed early: a 1M-token forward keeps only what the chunk loop reads
     aqk, tinv, hs_kept = prep if prep is not None else (None, None, None)
-    # T in bf16 with bf16 inputs (as fla-core's A_kk⁻¹): half its bytes in `_wu`, `_bwd_v`, `_bwd_da` and kept for
-    # the backward; every dot reading it widens it to fp32
+    # T and A_qk in bf16 with bf16 inputs (as fla-core's A_kk⁻¹ and A_qk): half their bytes in the kernels that read
+    # them and kept for the backward; every dot reading them widens them to fp32
     t16 = dict(device=q.device, dtype=torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32)
     if prep is None:
-        aqk = torch.empty(TT, H, 64, **f32)
+        aqk = torch.empty(TT, H, 64, **t16)
     # W, K e^{Γ_C − Γ}, Q e^Γ and the per-chunk states (and their gradients) are stored in the inputs' 16-bit dtype:
     # half the bytes the loops read, 1.2-1.3x faster fwd+bwd (H200). P stays fp32, and so does U (U0, overwritten
     # with U by the loop) for the backward: their rounding is what reaches the output and gradients
@@ -1202,7 +1204,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
         h0c = None if h0 is None else h0.contiguous()
         fw = _forward(*flat, bflat, _gate_args(mode, A_log, dt_bias, lb, H, K, q.device), scale, h0c, tables, safe,
                       output_final_state, keep_prep=grad, slabs=slabs)
-        # A_qk (fp32) and T (bf16 with bf16 inputs), [B*T, H, 64] each, are kept for the backward: it skips the intra
+        # A_qk and T (bf16 with bf16 inputs), [B*T, H, 64] each, are kept for the backward: it skips the intra
         # and solve kernels; and the per-chunk states (16-bit with 16-bit inputs, [chunks, H, K, V]: 512 B per token
         # and head at K = V = 128) when they take at most STATES_LIMIT_BYTES: it skips the chunk loop too. Γ (fp32,
         # 512 B per token and head) is not: the gate kernel runs again (0.13 ms at 4x8K, H200) where the loop took
