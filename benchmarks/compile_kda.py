@@ -10,12 +10,14 @@ pipelined and the counts are far off: sessions 7-9 read such counts), and with t
 device has (3.6 on our H200): a different triton compiles differently.
 
     pip install --target /tmp/tr36 --no-deps triton==3.6.0
-    PYTHONPATH=/tmp/tr36:src python benchmarks/compile_kda.py [--dtype bf16] [--dim 128] [--heads 16] [--few]
+    PYTHONPATH=/tmp/tr36:src python benchmarks/compile_kda.py [--dtype bf16] [--dim 128] [--heads 16] [--few] \
+        [--launch '{"fwd_prep": {"num_warps": 8}}'] [--slice '{"prep_k": 16}']
 
 Checked against Nsight Compute on the H200 (session 10): `_fwd_state` 154 registers, 81,920 B shared; `_bwd_state`
 36,864 B — the same as here.
 """
 import argparse
+import json
 import os
 import subprocess
 import tempfile
@@ -79,7 +81,13 @@ def main():
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--gate", default="bounded", choices=["bounded", "softplus"])
     ap.add_argument("--few", action="store_true", help="the launch settings for fewer loop programs than SMs")
+    ap.add_argument("--launch", default="{}", help='JSON overrides of kda_triton.LAUNCH, e.g. \'{"fwd_prep": '
+                    '{"num_warps": 8}}\'')
+    ap.add_argument("--slice", default="{}", help="JSON overrides of kda_triton.SLICE")
     args = ap.parse_args()
+    for name, cfg in json.loads(args.launch).items():
+        kda_triton.LAUNCH[name] = {**kda_triton.LAUNCH[name], **cfg}
+    kda_triton.SLICE.update(json.loads(args.slice))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     H, D, T = args.heads, args.dim, 256
     launches = []
