@@ -11,7 +11,7 @@ device has (3.6 on our H200): a different triton compiles differently.
 
     pip install --target /tmp/tr36 --no-deps triton==3.6.0
     PYTHONPATH=/tmp/tr36:src python benchmarks/compile_kda.py [--dtype bf16] [--dim 128] [--heads 16] [--few] \
-        [--launch '{"fwd_prep": {"num_warps": 8}}'] [--slice '{"prep_k": 16}']
+        [--launch '{"fwd_o": {"num_warps": 4}}'] [--slice '{"wu_k": 32}']
 
 Checked against Nsight Compute on the H200 (session 10): `_fwd_state` 154 registers, 81,920 B shared; `_bwd_state`
 36,864 B — the same as here.
@@ -81,13 +81,17 @@ def main():
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--gate", default="bounded", choices=["bounded", "softplus"])
     ap.add_argument("--few", action="store_true", help="the launch settings for fewer loop programs than SMs")
-    ap.add_argument("--launch", default="{}", help='JSON overrides of kda_triton.LAUNCH, e.g. \'{"fwd_prep": '
-                    '{"num_warps": 8}}\'')
+    ap.add_argument("--launch", default="{}", help='JSON overrides of kda_triton.LAUNCH, e.g. \'{"fwd_o": '
+                    '{"num_warps": 4}}\'')
     ap.add_argument("--slice", default="{}", help="JSON overrides of kda_triton.SLICE")
     args = ap.parse_args()
-    for name, cfg in json.loads(args.launch).items():
+    launch, slices = json.loads(args.launch), json.loads(args.slice)
+    for given, known, flag in ((launch, kda_triton.LAUNCH, "--launch"), (slices, kda_triton.SLICE, "--slice")):
+        if set(given) - set(known):
+            ap.error(f"{flag}: unknown keys {sorted(set(given) - set(known))} (known: {sorted(known)})")
+    for name, cfg in launch.items():
         kda_triton.LAUNCH[name] = {**kda_triton.LAUNCH[name], **cfg}
-    kda_triton.SLICE.update(json.loads(args.slice))
+    kda_triton.SLICE.update(slices)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     H, D, T = args.heads, args.dim, 256
     launches = []
