@@ -124,9 +124,11 @@ def _intra_kernel(q_ptr, k_ptr, gam_ptr, b_ptr, akk_ptr, aqk_ptr, cstart_ptr, ce
     a = tl.program_id(0) % 4 * 16
     s = tl.load(cstart_ptr + c).to(tl.int64)
     e = tl.load(cend_ptr + c).to(tl.int64)
+    n = e - s
+    if a >= n:  # a row block past the end of a part-filled last chunk: nothing to compute
+        return
     ri = a + tl.arange(0, 16)
     rc = tl.arange(0, 64)
-    n = e - s
     vi = ri < n
     ck = tl.arange(0, BK)
     mk = ck < K
