@@ -922,7 +922,9 @@ def _loop(tables, q, gam, aqk, o, kd, dl, w, u0, h0, ht, hs, scale):
     from Q and Γ), the final states into ``ht`` (unless None), from ``h0`` (unless None)."""
     TT, H, K = q.shape
     V = u0.shape[-1]
-    cu, coff = tables[:2]
+    cu, coff, *_, NC = tables
+    if NC == 0:
+        return
     N = cu.numel() - 1
     BK, _, BV = _launch_cfg(K, V)
     BVl = _fwd_loop_bv(BV, N, H, V, q.device)
@@ -1013,8 +1015,7 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     ht = torch.empty(N, H, K, V, **f32) if (output_final_state and not for_backward) else None
     hs = torch.empty(max(NC, 1), H, K, V, **lp) if keep_states else None
     o = None if for_backward else torch.empty(TT, H, V, device=q.device, dtype=q.dtype)
-    if NC > 0:
-        _loop(tables, q, gam, aqk, o, kd, dl, w, u0, h0, ht, hs, scale)
+    _loop(tables, q, gam, aqk, o, kd, dl, w, u0, h0, ht, hs, scale)
     if o is not None and keep_states:
         _out(tables, qg, aqk, hs, u0, o)
     out.update(o=o, ht=ht, hs=hs, us=u0)  # U0 was overwritten with U
@@ -1107,8 +1108,7 @@ def _backward(q, k, v, g, beta, gate, scale, h0, tables, safe, do, dht, prep, sl
         _slabbed_backward(slabs, x, gate, scale, safe, fw, do, dht, dh0, dhs, dus, grads, parts)
     else:
         _rev_loop(tables, fw, do, dht, dh0, dhs, dus)
-        if NC > 0:
-            _bwd_chunks(tables, slice(None), slice(None), x, gate, scale, safe, fw, do, dhs, dus, grads, parts)
+        _bwd_chunks(tables, slice(None), slice(None), x, gate, scale, safe, fw, do, dhs, dus, grads, parts)
     dgate = (parts[0].sum(0), parts[1].sum(0)) if mode else None
     return dq, dk, dv, dg, db, dh0, dgate
 
@@ -1143,11 +1143,13 @@ def _bwd_chunks(tables, R, C, x, gate, scale, safe, fw, do, dhs, dus, grads, par
     """The backward's parallel kernels after the reverse loop, over the chunks of ``tables``: token rows R and
     chunks C of the full tensors. Writes the rows R of ``grads`` (dq, dk, dv, dg, dβ) and the chunks C of the gate's
     partial gradients ``parts``."""
+    _, _, cstart, cend, NC = tables
+    if NC == 0:
+        return
     q, k, v, g, beta = (t[R] for t in x)
     dq, dk, dv, dg, db = (t[R] for t in grads)
     do, dus, us, tinv, gam = do[R], dus[R], fw["us"][R], fw["tinv"][R], fw["gam"][R]
     hs, dhs = fw["hs"][C], dhs[C]
-    _, _, cstart, cend, NC = tables
     TT, H, K = q.shape
     V = v.shape[-1]
     BK, _, BV = _launch_cfg(K, V)
