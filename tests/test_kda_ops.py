@@ -116,6 +116,26 @@ def test_gradients_match_naive(gate):
         assert rel_err(got, ref) < 1e-6, name
 
 
+@pytest.mark.parametrize("op", [kdamoe.chunk_kda, kdamoe.recurrent_kda])
+@pytest.mark.parametrize("cu_seqlens", [None, torch.tensor([0, 0, 0])])
+def test_no_tokens_pass_the_state_through(op, cu_seqlens):
+    """T = 0 (or only empty documents): an empty output, each final state equal to its initial state, and the
+    state's gradient flowing back unchanged, as the naive recurrence gives."""
+    B = 2 if cu_seqlens is None else 1
+    q, k, v, g, beta, _ = make_inputs(B, 0, 2, 8, 4, "bounded")
+    h0 = torch.randn(2, 2, 8, 4, dtype=torch.float64, requires_grad=True)
+    o, s = op(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu_seqlens)
+    ro, rs = kdamoe.naive_recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                        cu_seqlens=cu_seqlens)
+    assert o.shape == ro.shape == (B, 0, 2, 4)
+    assert torch.equal(s, rs) and torch.equal(s, h0)
+    w = torch.randn_like(s)
+    (s * w).sum().backward()
+    assert torch.equal(h0.grad, w)
+    o, s = op(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu_seqlens)
+    assert torch.equal(s, torch.zeros_like(s))
+
+
 def test_recurrent_in_pieces_equals_one_chunk_call():
     q, k, v, g, beta, h0 = make_inputs(2, 150, 2, 16, 8, "bounded", torch.float32, seed=4)
     full_o, full_s = kdamoe.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)

@@ -387,6 +387,26 @@ def test_recurrent_matches_oracle_and_updates_state_in_place():
 
 
 @kernel_test
+@pytest.mark.parametrize("cu_seqlens", [None, [0, 0, 0]])
+def test_no_tokens_pass_the_state_through(cu_seqlens):
+    """T = 0 (or only empty documents): no chunk to run; an empty output, each final state its initial state (zeros
+    without one), and the state's gradient back unchanged — for the chunked and the decode kernel."""
+    cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, device=DEV)
+    B = 2 if cu is None else 1
+    q, k, v, g, beta = make_inputs(B, 0, 2, 16, 32)
+    h0 = torch.randn(2, 2, 16, 32, device=DEV, requires_grad=True)
+    for op in (kda_triton.chunk_kda_triton, kda_triton.recurrent_kda_triton):
+        o, ht = op(q, k, v, g, beta, initial_state=h0.detach().clone(), output_final_state=True, cu_seqlens=cu)
+        assert o.shape == (B, 0, 2, 32) and torch.equal(ht, h0.detach())
+        o, ht = op(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu)
+        assert torch.equal(ht, torch.zeros_like(ht))
+    o, ht = kda_triton.chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    w = torch.randn_like(ht)
+    (ht * w).sum().backward()
+    assert torch.equal(h0.grad, w)
+
+
+@kernel_test
 def test_bad_inputs_raise():
     q, k, v, g, beta = make_inputs(2, 8, 2, 16, 16)
     with pytest.raises(ValueError, match="beta"):

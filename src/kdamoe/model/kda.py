@@ -329,7 +329,7 @@ def _chunk_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     Tp = xs[0].shape[1]
     NC = Tp // C
     # [B, Tp, H, D] -> [NC, B, H, n, S, D]: chunks of n sub-blocks; the chunk loop slices contiguous blocks.
-    q, k, v, g = (x.reshape(B, NC, n, S, H, -1).permute(1, 0, 4, 2, 3, 5).contiguous() for x in xs[:4])
+    q, k, v, g = (x.reshape(B, NC, n, S, H, x.shape[-1]).permute(1, 0, 4, 2, 3, 5).contiguous() for x in xs[:4])
     beta = xs[4].reshape(B, NC, C, H, 1).permute(1, 0, 3, 2, 4)  # [NC, B, H, C, 1]
     q = q * scale
 
@@ -364,7 +364,8 @@ def _chunk_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens):
         state = torch.baddbmm(Z[c].flatten(0, 1), M[c].flatten(0, 1), state.flatten(0, 1)).view_as(Z[c])
         if c in doc_ends:
             finals[doc_ends[c]] = state
-    states_in = torch.stack(states_in)  # state entering each chunk, [NC, B, H, K, V]
+    # the state entering each chunk, [NC, B, H, K, V]
+    states_in = torch.stack(states_in) if NC else q.new_zeros(0, B, H, K, V)
     o = flat(q_l * start_decay) @ states_in + A_qk @ (U0 - W @ states_in)  # [NC, B, H, C, V]
     o = o.permute(1, 0, 3, 2, 4).reshape(B, Tp, H, V)
     if cu_seqlens is None:

@@ -923,7 +923,9 @@ def _loop(tables, q, gam, aqk, o, kd, dl, w, u0, h0, ht, hs, scale):
     TT, H, K = q.shape
     V = u0.shape[-1]
     cu, coff, *_, NC = tables
-    if NC == 0:
+    if NC == 0:  # no token (T = 0, or only empty documents): each final state is its initial state
+        if ht is not None:
+            ht.copy_(h0) if h0 is not None else ht.zero_()
         return
     N = cu.numel() - 1
     BK, _, BV = _launch_cfg(K, V)
@@ -1203,7 +1205,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
         V = v.shape[-1]
         tables = _chunk_tables(B, T, cu_seqlens, q.device)
         slabs = _slabs(B, T, H, q.device, SLAB_MIN_TOKEN_HEADS["forward"]) if cu_seqlens is None else None
-        flat = [x.contiguous().reshape(B * T, H, -1) for x in (q, k, v, g)]
+        flat = [x.contiguous().reshape(B * T, H, x.shape[-1]) for x in (q, k, v, g)]
         bflat = beta.contiguous().reshape(B * T, H)
         h0c = None if h0 is None else h0.contiguous()
         fw = _forward(*flat, bflat, _gate_args(mode, A_log, dt_bias, lb, H, K, q.device), scale, h0c, tables, safe,
@@ -1226,7 +1228,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
         q, k, v, g, beta, A_log, dt_bias, h0, *prep = ctx.saved_tensors
         B, T, H, K = q.shape
         V = v.shape[-1]
-        flat = [x.contiguous().reshape(B * T, H, -1) for x in (q, k, v, g)]
+        flat = [x.contiguous().reshape(B * T, H, x.shape[-1]) for x in (q, k, v, g)]
         bflat = beta.contiguous().reshape(B * T, H)
         if do is None:
             do = torch.zeros_like(v)
@@ -1360,7 +1362,7 @@ def recurrent_kda_triton(q, k, v, g, beta, scale=None, initial_state=None, outpu
         else:
             cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         N = cu.numel() - 1
-        flat = [x.contiguous().reshape(B * T, H, -1) for x in (q, k, v, g)]
+        flat = [x.contiguous().reshape(B * T, H, x.shape[-1]) for x in (q, k, v, g)]
         bflat = beta.contiguous().reshape(B * T, H)
         h0 = initial_state
         if h0 is not None and not (h0.dtype == torch.float32 and h0.is_contiguous()):
