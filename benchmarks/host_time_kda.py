@@ -1,13 +1,19 @@
-"""Host time of one KDA Triton forward (launches only, no synchronisation) against its GPU time, one pass vs slabs:
+"""Host time of one KDA Triton forward (launches only, no synchronisation) against its GPU time, over slab lengths:
 
-    python3 benchmarks/host_time_kda.py --sizes 1x32768,1x131072
+    python3 benchmarks/host_time_kda.py --sizes 1x32768,1x131072 --slab-tokens auto,0,8192,4096 [--cprofile]
 
 A slabbed call (``kda_triton._slabs``) makes six launches per slab; when the host takes longer to launch a call
-than the GPU to run it, the GPU waits. Prints a table and writes JSON (``--out``).
+than the GPU to run it, the GPU waits. Per size and slab length (``auto``: the library's choice; 0: one pass; N:
+``kda_triton.SLAB_TOKENS = N``) it prints the host's time per call, ``do_bench``'s time (what a caller sees) and the
+time of the same call replayed from a CUDA graph (no host work: what the GPU alone needs). ``--cprofile`` adds the
+host's top functions per call for each row. Writes JSON (``--out``).
 """
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import time
 
 import torch
@@ -17,9 +23,36 @@ from bench_kda import H, make, run_ours
 from kdamoe.model import kda_triton
 
 
+def graph_ms(run):
+    """do_bench of ``run`` replayed from a CUDA graph (captured after a warm-up on a side stream)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return triton.testing.do_bench(graph.replay)
+
+
+def host_profile(run, calls=20):
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        run()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(15)
+    return text.getvalue()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="1x32768,1x131072")
+    ap.add_argument("--slab-tokens", default="auto,0", help="comma list: auto, 0 (one pass) or a slab length")
+    ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "host_time_kda.json"))
     args = ap.parse_args()
     rows = []
@@ -30,8 +63,9 @@ def main():
         def run():
             return run_ours(x, "bounded")
 
-        for mode, forced in (("one pass", 1 << 40), ("slabs", None)):
-            kda_triton.SLAB_TOKENS = forced
+        for choice in args.slab_tokens.split(","):
+            kda_triton.SLAB_TOKENS = None if choice == "auto" else (1 << 40 if choice == "0" else int(choice))
+            slabs = kda_triton._slabs(B, T, H, x["q"].device, kda_triton.SLAB_MIN_TOKEN_HEADS["forward"])
             with torch.no_grad():
                 run()
                 torch.cuda.synchronize()
@@ -41,10 +75,14 @@ def main():
                 host = (time.perf_counter() - t0) / 20 * 1e3
                 torch.cuda.synchronize()
                 gpu = triton.testing.do_bench(run)
-            slabs = None if forced else kda_triton._slabs(B, T, H, x["q"].device,
-                                                          kda_triton.SLAB_MIN_TOKEN_HEADS["forward"])
-            rows.append(dict(size=size, mode=mode, slabs=len(slabs) if slabs else 1, host_ms=host, gpu_ms=gpu))
-            print(f"{size:>9} {mode:>8} ({rows[-1]['slabs']} slabs): host {host:.3f} ms per call, do_bench {gpu:.3f} ms")
+                graph = graph_ms(run)
+                prof = host_profile(run) if args.cprofile else None
+            rows.append(dict(size=size, slab_tokens=choice, slabs=len(slabs) if slabs else 1, host_ms=host,
+                             do_bench_ms=gpu, graph_ms=graph))
+            print(f"{size:>9} slab tokens {choice:>6} ({rows[-1]['slabs']:>2} slabs): host {host:.3f} ms per call, "
+                  f"do_bench {gpu:.3f} ms, CUDA graph {graph:.3f} ms")
+            if prof:
+                print(prof)
         kda_triton.SLAB_TOKENS = None
     json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__, rows=rows),
               open(args.out, "w"), indent=1)
