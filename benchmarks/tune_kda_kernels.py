@@ -11,7 +11,7 @@ every kernel at its fastest setting against the current table — a kernel's bes
 sequence (session 9: two picks, each faster on its own, made forward+backward 2-3 % slower). Writes JSON.
 
     PYTHONPATH=src python benchmarks/tune_kda_kernels.py [--sizes 4x8192,1x32768] \
-        [--slices '[{}, {"wu_k": 32, "wu_v": 32}]']
+        [--slices '[{}, {"wu_k": 32, "wu_v": 32}]'] [--candidates '[{}, {"num_warps": 1}]']
 """
 
 import argparse
@@ -135,6 +135,7 @@ def main():
     ap.add_argument("--sizes", default="4x8192,1x32768")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--slices", default="[{}]", help="JSON list of SLICE overrides")
+    ap.add_argument("--candidates", help="JSON list of launch candidates in place of CANDIDATES ({} first)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count())
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "tune_kda.json"))
     args = ap.parse_args()
@@ -143,11 +144,14 @@ def main():
     unknown = {k for sl in slices for k in sl} - set(CURRENT_SLICE)
     if unknown:
         ap.error(f"--slices: unknown keys {sorted(unknown)} (kda_triton.SLICE has {sorted(CURRENT_SLICE)})")
-    rounds = [(c, sl) for sl in slices for c in CANDIDATES]
+    candidates = CANDIDATES if args.candidates is None else json.loads(args.candidates)
+    if candidates[:1] != [{}]:
+        ap.error("--candidates: the first must be {} (the current table, round 0)")
+    rounds = [(c, sl) for sl in slices for c in candidates]
     labels = [f"{c or 'current'} {sl or ''}".strip() for c, sl in rounds]
     with mp.get_context("spawn").Pool(min(args.jobs, len(rounds))) as pool:
         errors = dict(pool.map(compile_round, [(r, rnd, sizes) for r, rnd in enumerate(rounds)]))
-    res = {"candidates": CANDIDATES, "current": CURRENT, "current_slice": CURRENT_SLICE, "rounds_labels": labels,
+    res = {"candidates": candidates, "current": CURRENT, "current_slice": CURRENT_SLICE, "rounds_labels": labels,
            "rounds": {}}
     for size in sizes:
         x, do = inputs(size)
