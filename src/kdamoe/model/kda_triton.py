@@ -66,6 +66,8 @@ LAUNCH = {
     "bwd_dg": dict(num_warps=4),
     "recurrent": dict(num_warps=4),
 }
+# Head-dim columns per program of `_gate_cumsum_kernel`: 64 (two programs per chunk and head at K = 128) took 4x8K /
+# 1x32K / 1x128K forward 1.74 / 2.14 / 7.65 -> 1.72 / 2.03 / 7.56 ms (32 at 1 or 2 warps: no gain; H200, session 14).
 # Column slices of `_wu_kernel` (head dim, V): whole [64, 128] fp32 tiles spilled at sm_90; with 64-wide slices at
 # 4 warps it takes 0.45 instead of 0.51 ms per call (H200, 4x8K), 0.43 with one pipeline stage instead of two
 # (tune_kda_h200_s8_bwd_intra.json). The same slices in intra and the O kernel were slower (tune_kda_h200_s7.json).
@@ -78,7 +80,7 @@ LAUNCH = {
 # forward's and the backward's: a forward slab's 6 launches are less GPU work); SLAB_TOKENS forces a slab length
 # (tests: the slabbed paths under the interpreter).
 SLABS, SLAB_MIN_TOKEN_HEADS, SLAB_TOKENS = 8, dict(forward=1 << 18, backward=1 << 17), None
-SLICE = {"wu_k": 64, "wu_v": 64, "bwd_intra_k": 128, "bwd_da_k": 64}
+SLICE = {"gate_k": 64, "wu_k": 64, "wu_v": 64, "bwd_intra_k": 128, "bwd_da_k": 64}
 
 
 # --------------------------------------------------------------------------------------------------- forward
@@ -95,13 +97,14 @@ def _gate(x, a, lower_bound, GATE: tl.constexpr):
 @triton.jit
 def _gate_cumsum_kernel(g_ptr, a_ptr, dtb_ptr, gam_ptr, cstart_ptr, cend_ptr, lower_bound, H, K: tl.constexpr,
                         BK: tl.constexpr, GATE: tl.constexpr):
-    """Γ = within-chunk cumsum of the log-decay (computed here from the raw input when GATE != 0)."""
+    """Γ = within-chunk cumsum of the log-decay (computed here from the raw input when GATE != 0), head-dim
+    columns in blocks of BK (program axis 2)."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.load(cstart_ptr + c).to(tl.int64)
     e = tl.load(cend_ptr + c).to(tl.int64)
     r = tl.arange(0, 64)
-    ck = tl.arange(0, BK)
+    ck = tl.program_id(2) * BK + tl.arange(0, BK)
     mk = ck < K
     m2 = (r < e - s)[:, None] & mk[None, :]
     offk = r[:, None] * (H * K) + ck[None, :]  # int32 offsets from the chunk's first row (fewer registers)
@@ -902,7 +905,9 @@ def _prep(q, k, v, g, beta, gate, scale, safe, tables, aqk, tinv, w, kd, u0, qg,
     gam = torch.empty(TT, H, K, device=q.device, dtype=torch.float32) if gam is None else gam
     if NC == 0:
         return gam
-    _gate_cumsum_kernel[(NC, H)](g, a, dtb, gam, cstart, cend, lb, H, K, BK, GATE=mode, **LAUNCH["gate_cumsum"])
+    BKg = min(BK, SLICE["gate_k"])
+    _gate_cumsum_kernel[(NC, H, triton.cdiv(K, BKg))](g, a, dtb, gam, cstart, cend, lb, H, K, BKg, GATE=mode,
+                                                      **LAUNCH["gate_cumsum"])
     if intra:
         akk = torch.empty(TT, H, 64, device=q.device, dtype=torch.float32)
         _intra_kernel[(NC * 4, H)](q, k, gam, beta, akk, aqk, cstart, cend, scale, H, K, BK, SAFE=safe,
