@@ -141,14 +141,16 @@ def test_forward_without_kept_states_matches_oracle(monkeypatch):
 
 @kernel_test
 @pytest.mark.parametrize("keep_states", [True, False])
-def test_forward_loop_with_16_wide_v_blocks(monkeypatch, keep_states):
-    """16-wide V blocks in the forward chunk loop (what a GPU takes when 32-wide ones leave SMs idle), on both of
-    its paths (per-chunk states kept, or O written by the loop)."""
-    q, k, v, g, beta = make_inputs(1, 200, 2, 16, 32, "bounded")
+@pytest.mark.parametrize("bv", [16, 64])
+def test_forward_loop_v_blocks(monkeypatch, keep_states, bv):
+    """The forward chunk loop in 16-wide V blocks (what a GPU takes when wider ones leave SMs idle) and 64-wide
+    ones (16-bit inputs with many programs; here V = 96: the second block part-masked), on both of its paths
+    (per-chunk states kept, or O written by the loop)."""
+    q, k, v, g, beta = make_inputs(1, 200, 2, 16, 96, "bounded")
     cu = torch.tensor([0, 70, 70, 200], device=DEV)
-    h0 = torch.randn(3, 2, 16, 32, device=DEV)
+    h0 = torch.randn(3, 2, 16, 96, device=DEV)
     ro, rht = oracle(q, k, v, g, beta, h0, cu_seqlens=cu)
-    monkeypatch.setattr(kda_triton, "_fwd_loop_bv", lambda BV, N, H, V, device: 16)
+    monkeypatch.setattr(kda_triton, "_fwd_loop_bv", lambda *args: bv)
     if not keep_states:
         monkeypatch.setattr(kda_triton, "STATES_LIMIT_BYTES", -(1 << 62))
     o, ht = kda_triton.chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)

@@ -860,11 +860,14 @@ def _few_loop_programs(BV, N, H, V, device):
     return triton.cdiv(V, BV) * N * H < torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _fwd_loop_bv(BV, N, H, V, device):
-    """V block of the forward chunk loop: BV, or 16 when BV-wide blocks leave SMs idle (twice the programs, each
-    with half the work per chunk; 16 is only the N dimension of its dots). 1x32K forward 2.89 -> 2.79 ms, 1M 88 ->
-    85 ms (H200, H=16)."""
-    return 16 if _few_loop_programs(BV, N, H, V, device) else BV
+def _fwd_loop_bv(BV, N, H, V, wide, device):
+    """V block of the forward chunk loop: 16 when BV-wide blocks leave SMs idle (twice the programs, each with half
+    the work per chunk; 16 is only the N dimension of its dots: 1x32K forward 2.89 -> 2.79 ms, 1M 88 -> 85 ms);
+    else with ``wide`` (the 3-stage loop) 64, as fla-core's loop (with its 3 stages: 4x8K forward 1.71 -> 1.70 ms;
+    H200, H=16), else BV."""
+    if _few_loop_programs(BV, N, H, V, device):
+        return 16
+    return min(_pow2(V), 64) if wide else BV
 
 
 def _slabs(B, T, H, device, min_token_heads):
@@ -934,14 +937,18 @@ def _loop(tables, q, gam, aqk, o, kd, dl, w, u0, h0, ht, hs, scale):
         return
     N = cu.numel() - 1
     BK, _, BV = _launch_cfg(K, V)
-    BVl = _fwd_loop_bv(BV, N, H, V, q.device)
+    # Pipeline stages (chunks prefetched): 3 where the per-chunk states are kept and W, K e^{Γ_C − Γ} are 16-bit
+    # [64, BK] tiles of at most 256 B a row (1x32K / 1x128K forward 2.10 -> 1.91 / 7.53 -> 7.33 ms with 64-wide V
+    # blocks, H200); 2 otherwise up to BK = 128 (the loop writing O holds more tiles: 3 overflow its shared memory,
+    # compile_kda.py), else 1
+    stages3 = hs is not None and BK * w.element_size() <= 256
+    BVl = _fwd_loop_bv(BV, N, H, V, stages3, q.device)
     dummy = dl
-    # 2 pipeline stages (prefetch) fit shared memory with 16-bit W and Kd up to BK = 128
     _fwd_state_kernel[(triton.cdiv(V, BVl), N, H)](
         q, gam if gam is not None else dummy, aqk, o if o is not None else dummy, kd, dl, w, u0,
         h0 if h0 is not None else dummy, ht if ht is not None else dummy, hs if hs is not None else dummy, cu, coff,
         scale, H, K, V, BK, BVl, HAS_H0=h0 is not None, STORE_HT=ht is not None, STORE_H=hs is not None,
-        WRITE_O=hs is None, LP=_lp(q), num_stages=2 if BK <= 128 else 1,
+        WRITE_O=hs is None, LP=_lp(q), num_stages=3 if stages3 else 2 if BK <= 128 else 1,
         **LAUNCH["fwd_state" if hs is not None else "fwd_state_o"])
 
 
