@@ -155,8 +155,10 @@ def peak_forward(fn, x, gate):
 
 
 def profile(B, T, impls):
-    """Per-kernel CUDA times of one forward and one forward+backward of each of ``impls`` (name -> (fn, gate)):
-    ours and fla-core side by side, kernel by kernel."""
+    """Per-kernel CUDA times (µs) of one forward and one forward+backward of each of ``impls`` (name -> (fn,
+    gate)): ours and fla-core side by side, kernel by kernel. Printed, and returned as {impl: {pass: {kernel: µs}}}
+    for the JSON."""
+    out = {}
     x = make(B, T)
     for n in LEAVES:
         x[n].requires_grad_()
@@ -171,8 +173,14 @@ def profile(B, T, impls):
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 step()
                 torch.cuda.synchronize()
-            print(f"{name}, {B}x{T} {'fwd+bwd' if bwd else 'fwd'}, per kernel:")
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=48))
+            rows = sorted(((e.device_time_total, e.key) for e in prof.key_averages()
+                           if e.device_type == torch.autograd.DeviceType.CUDA), reverse=True)
+            step_name = "fwd+bwd" if bwd else "fwd"
+            out.setdefault(name, {})[step_name] = {key: round(us, 1) for us, key in rows}
+            print(f"{name}, {B}x{T} {step_name}, per kernel (µs; total {sum(us for us, _ in rows):.0f}):")
+            for us, key in rows[:16]:
+                print(f"  {us:9.1f}  {key[:80]}")
+    return out
 
 
 def gpu_checks():
@@ -257,7 +265,7 @@ def main():
         impls["sdpa"] = (run_sdpa, None)
     sizes = [(1, 8192)] if args.quick else [tuple(int(x) for x in bt.split("x")) for bt in args.sizes.split(",")]
     if args.profile and not args.fwd_only:
-        profile(*sizes[0], impls)
+        res["profile"] = {f"{sizes[0][0]}x{sizes[0][1]}": profile(*sizes[0], impls)}
     for B, T in sizes:
         x = make(B, T)
         for name, (fn, gate) in impls.items():
