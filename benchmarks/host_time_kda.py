@@ -37,6 +37,7 @@ def graph_ms(run):
 
 
 def host_profile(run, calls=20):
+    """The host's top functions (by own time) over ``calls`` calls of ``run``, as text."""
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):

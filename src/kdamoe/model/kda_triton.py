@@ -863,8 +863,7 @@ def _few_loop_programs(BV, N, H, V, device):
 def _fwd_loop_bv(BV, N, H, V, wide, device):
     """V block of the forward chunk loop: 16 when BV-wide blocks leave SMs idle (twice the programs, each with half
     the work per chunk; 16 is only the N dimension of its dots: 1x32K forward 2.89 -> 2.79 ms, 1M 88 -> 85 ms);
-    else with ``wide`` (the 3-stage loop) 64, as fla-core's loop (with its 3 stages: 4x8K forward 1.71 -> 1.70 ms;
-    H200, H=16), else BV."""
+    else 64 when ``wide`` (the 3-stage loop, as fla-core's: 4x8K forward 1.71 -> 1.70 ms), else BV (H200, H=16)."""
     if _few_loop_programs(BV, N, H, V, device):
         return 16
     return min(_pow2(V), 64) if wide else BV
@@ -932,8 +931,10 @@ def _loop(tables, q, gam, aqk, o, kd, dl, w, u0, h0, ht, hs, scale):
     V = u0.shape[-1]
     cu, coff, *_, NC = tables
     if NC == 0:  # no token (T = 0, or only empty documents): each final state is its initial state
-        if ht is not None:
-            ht.copy_(h0) if h0 is not None else ht.zero_()
+        if ht is not None and h0 is not None:
+            ht.copy_(h0)
+        elif ht is not None:
+            ht.zero_()
         return
     N = cu.numel() - 1
     BK, _, BV = _launch_cfg(K, V)
