@@ -1218,10 +1218,9 @@ class _ChunkKDAFunction(torch.autograd.Function):
         V = v.shape[-1]
         tables = _chunk_tables(B, T, cu_seqlens, q.device)
         slabs = _slabs(B, T, H, q.device, SLAB_MIN_TOKEN_HEADS["forward"]) if cu_seqlens is None else None
-        flat = [x.contiguous().reshape(B * T, H, x.shape[-1]) for x in (q, k, v, g)]
-        bflat = beta.contiguous().reshape(B * T, H)
+        flat = _flatten(q, k, v, g, beta)
         h0c = None if h0 is None else h0.contiguous()
-        fw = _forward(*flat, bflat, _gate_args(mode, A_log, dt_bias, lb, H, K, q.device), scale, h0c, tables, safe,
+        fw = _forward(*flat, _gate_args(mode, A_log, dt_bias, lb, H, K, q.device), scale, h0c, tables, safe,
                       output_final_state, keep_prep=grad, slabs=slabs)
         # A_qk and T (bf16 with bf16 inputs), [B*T, H, 64] each, are kept for the backward: it skips the intra
         # and solve kernels; and the per-chunk states (16-bit with 16-bit inputs, [chunks, H, K, V]: 512 B per token
@@ -1241,14 +1240,13 @@ class _ChunkKDAFunction(torch.autograd.Function):
         q, k, v, g, beta, A_log, dt_bias, h0, *prep = ctx.saved_tensors
         B, T, H, K = q.shape
         V = v.shape[-1]
-        flat = [x.contiguous().reshape(B * T, H, x.shape[-1]) for x in (q, k, v, g)]
-        bflat = beta.contiguous().reshape(B * T, H)
+        flat = _flatten(q, k, v, g, beta)
         if do is None:
             do = torch.zeros_like(v)
         dht = None if dht is None else dht.float().contiguous()
         h0c = None if h0 is None else h0.float().contiguous()
         gate = _gate_args(ctx.mode, A_log, dt_bias, ctx.lb, H, K, q.device)
-        dq, dk, dv, dg, db, dh0, dgate = _backward(*flat, bflat, gate, ctx.scale, h0c, ctx.tables, ctx.safe,
+        dq, dk, dv, dg, db, dh0, dgate = _backward(*flat, gate, ctx.scale, h0c, ctx.tables, ctx.safe,
                                                    do.reshape(B * T, H, V), dht, prep=tuple(prep), slabs=ctx.slabs)
         dA_log = ddt_bias = None
         if A_log is not None:  # the gate's chain rule ran in the last backward kernel
@@ -1308,6 +1306,13 @@ def _l2norm(q, k):
     """q/k L2 norm over the head dim (eps 1e-6), in fp32, back in the input dtype; autograd-differentiable."""
     return tuple((x.float() * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
                  for x in (q, k))
+
+
+def _flatten(q, k, v, g, beta):
+    """``[B, T, H, *]`` inputs as the contiguous ``[B*T, H, *]`` rows the kernels index (β: ``[B*T, H]``); explicit
+    sizes, so T = 0 works too."""
+    B, T, H = q.shape[:3]
+    return [x.contiguous().reshape(B * T, H, *x.shape[3:]) for x in (q, k, v, g, beta)]
 
 
 def _safe_path(gate, lower_bound):
@@ -1375,8 +1380,7 @@ def recurrent_kda_triton(q, k, v, g, beta, scale=None, initial_state=None, outpu
         else:
             cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
         N = cu.numel() - 1
-        flat = [x.contiguous().reshape(B * T, H, x.shape[-1]) for x in (q, k, v, g)]
-        bflat = beta.contiguous().reshape(B * T, H)
+        flat = _flatten(q, k, v, g, beta)
         h0 = initial_state
         if h0 is not None and not (h0.dtype == torch.float32 and h0.is_contiguous()):
             h0 = h0.float().contiguous()
@@ -1386,6 +1390,6 @@ def recurrent_kda_triton(q, k, v, g, beta, scale=None, initial_state=None, outpu
         o = torch.empty(B * T, H, V, device=q.device, dtype=q.dtype)
         BK, _, BV = _launch_cfg(K, V)
         _recurrent_kernel[(triton.cdiv(V, BV), N, H)](
-            *flat, bflat, o, h0 if h0 is not None else o, ht if ht is not None else o, cu, scale, H, K, V, BK, BV,
+            *flat, o, h0 if h0 is not None else o, ht if ht is not None else o, cu, scale, H, K, V, BK, BV,
             HAS_H0=h0 is not None, STORE_HT=ht is not None, **LAUNCH["recurrent"])
     return o.reshape(B, T, H, V), ht
