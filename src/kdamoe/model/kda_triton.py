@@ -52,7 +52,7 @@ LAUNCH = {
     "gate_cumsum": dict(num_warps=4),
     "intra": dict(num_warps=4),
     "solve": dict(num_warps=1),  # its 16x16 dots in one warp: no cross-warp layout exchange (4x8K fwd 1.79 -> 1.73 ms)
-    "wu": dict(num_warps=4, num_stages=1),
+    "wu": dict(num_warps=4, num_stages=3),
     "fwd_state": dict(num_warps=4),
     "fwd_state_o": dict(num_warps=8),  # the loop writing O (no per-chunk states kept: a 1M-token forward)
     "fwd_o": dict(num_warps=2),
@@ -280,7 +280,6 @@ def _wu_kernel(q_ptr, k_ptr, v_ptr, b_ptr, gam_ptr, tinv_ptr, w_ptr, u_ptr, qg_p
     kd_ptr += base
     tinv16 = tl.load(tinv_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None],
                      other=0.0)  # T as stored: bf16 with bf16 inputs
-    tinv = tinv16.to(tl.float32)
     beta = tl.load(b_ptr + s * H + r * H + h, mask=rv, other=0.0).to(tl.float32)
     for k0 in range(0, K, BK):
         ck = k0 + tl.arange(0, BK)
@@ -306,7 +305,10 @@ def _wu_kernel(q_ptr, k_ptr, v_ptr, b_ptr, gam_ptr, tinv_ptr, w_ptr, u_ptr, qg_p
         offv = s * (H * V) + h * V + r[:, None] * (H * V) + cv[None, :]
         mv2 = rv[:, None] & mv[None, :]
         vv = tl.load(v_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
-        u = tl.dot(tinv, vv * beta[:, None])
+        if U_FROM_STATES:  # the backward: U as the forward loop had it, from T widened to fp32
+            u = tl.dot(tinv16.to(tl.float32), vv * beta[:, None])
+        else:  # the forward: T (βV) on 16-bit tensor cores, as fla-core
+            u = _lp_dot(tinv16, vv * beta[:, None], LP)
         if U_FROM_STATES:
             for k0 in range(0, K, BK):
                 ck = k0 + tl.arange(0, BK)
