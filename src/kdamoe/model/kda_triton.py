@@ -117,65 +117,6 @@ def _gate_cumsum_kernel(g_ptr, a_ptr, dtb_ptr, gam_ptr, cstart_ptr, cend_ptr, lo
 
 
 @triton.jit
-def _intra_kernel(q_ptr, k_ptr, gam_ptr, b_ptr, akk_ptr, aqk_ptr, cstart_ptr, cend_ptr, scale, H,
-                  K: tl.constexpr, BK: tl.constexpr, SAFE: tl.constexpr):
-    """Rows ``16 I .. 16 I + 15`` of ``A_kk`` (times β, strictly lower) and ``A_qk`` (times scale, lower) of one
-    chunk, anchored at the block's first row ``a``: ``(x_i e^{Γ_i − Γ_a}) · (k_j e^{Γ_a − Γ_j})``, one dense dot
-    over every causal column (SAFE: the diagonal block pair by pair instead)."""
-    c = tl.program_id(0) // 4  # the 4 row blocks of a chunk run side by side: its q, k, Γ are read from L2
-    h = tl.program_id(1)
-    a = tl.program_id(0) % 4 * 16
-    s = tl.load(cstart_ptr + c).to(tl.int64)
-    e = tl.load(cend_ptr + c).to(tl.int64)
-    n = e - s
-    if a >= n:  # a row block past the end of a part-filled last chunk: nothing to compute
-        return
-    ri = a + tl.arange(0, 16)
-    rc = tl.arange(0, 64)
-    vi = ri < n
-    ck = tl.arange(0, BK)
-    mk = ck < K
-    mi = vi[:, None] & mk[None, :]
-    base = s * (H * K) + h * K
-    q_ptr += base
-    k_ptr += base
-    gam_ptr += base
-    offi = ri[:, None] * (H * K) + ck[None, :]
-    ga = tl.load(gam_ptr + a * (H * K) + ck, mask=mk & (a + 0 * ck < n), other=0.0)
-    gi = tl.load(gam_ptr + offi, mask=mi, other=0.0)
-    ki = tl.load(k_ptr + offi, mask=mi, other=0.0).to(tl.float32)
-    qi = tl.load(q_ptr + offi, mask=mi, other=0.0).to(tl.float32)
-    el = tl.exp(tl.where(mi, gi - ga[None, :], 0.0))
-    if SAFE:
-        cols = rc < a
-    else:
-        cols = rc < a + 16
-    mc = (cols & (rc < n))[:, None] & mk[None, :]
-    offc = rc[:, None] * (H * K) + ck[None, :]
-    gc = tl.load(gam_ptr + offc, mask=mc, other=0.0)
-    kc = tl.load(k_ptr + offc, mask=mc, other=0.0).to(tl.float32) * tl.exp(tl.where(mc, ga[None, :] - gc, 0.0))
-    akk = tl.dot(ki * el, tl.trans(kc))
-    aqk = tl.dot(qi * el, tl.trans(kc))
-    if SAFE:
-        for jj in range(16):
-            j = a + jj
-            mj = mk & (j + 0 * ck < n)
-            gj = tl.load(gam_ptr + j * (H * K) + ck, mask=mj, other=0.0)
-            kj = tl.load(k_ptr + j * (H * K) + ck, mask=mj, other=0.0).to(tl.float32)
-            ok = ri >= j
-            kd = kj[None, :] * tl.exp(tl.where(ok[:, None] & mi, gi - gj[None, :], 0.0))
-            sel = ok[:, None] & (rc[None, :] == j)
-            akk += tl.where(sel, tl.sum(ki * kd, axis=1)[:, None], 0.0)
-            aqk += tl.where(sel, tl.sum(qi * kd, axis=1)[:, None], 0.0)
-    beta = tl.load(b_ptr + s * H + ri * H + h, mask=vi, other=0.0).to(tl.float32)
-    off64 = ri[:, None] * (H * 64) + rc[None, :]
-    akk_ptr += s * (H * 64) + h * 64
-    aqk_ptr += s * (H * 64) + h * 64
-    tl.store(akk_ptr + off64, tl.where(rc[None, :] < ri[:, None], akk, 0.0) * beta[:, None], mask=vi[:, None])
-    tl.store(aqk_ptr + off64, tl.where(rc[None, :] <= ri[:, None], aqk, 0.0) * scale, mask=vi[:, None])
-
-
-@triton.jit
 def _block(ptr, s, e, h, H, I: tl.constexpr, J: tl.constexpr):
     """Block ``(I, J)`` (16 x 16) of a chunk's ``[64, 64]`` matrix stored as ``[TT, H, 64]``; rows past the end 0."""
     r = tl.arange(0, 16)
@@ -189,6 +130,139 @@ def _put(ptr, x, s, e, h, H, I: tl.constexpr, J: tl.constexpr):
     r = tl.arange(0, 16)
     ptr += s * (H * 64) + h * 64
     tl.store(ptr + (I * 16 + r)[:, None] * (H * 64) + J * 16 + r[None, :], x, mask=(I * 16 + r < e - s)[:, None])
+
+
+@triton.jit
+def _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, I: tl.constexpr, ck, mk, SAFE: tl.constexpr):
+    """Row block I (rows ``16 I .. 16 I + 15``) of a chunk of n rows, a = its first row: the row operands
+    ``q_i e^{Γ_i − Γ_a}``, ``k_i e^{Γ_i − Γ_a}`` (factors <= 1), the column operand ``k_i e^{Γ_a − Γ_i}`` (>= 1;
+    <= e^{75} with the bounded gate; SAFE: not formed, k as loaded), Γ_a, and q, k, Γ as loaded."""
+    ri = I * 16 + tl.arange(0, 16)
+    mi = (ri < n)[:, None] & mk[None, :]
+    off = ri[:, None] * HK + ck[None, :]
+    ga = tl.load(gam_ptr + tl.minimum(I * 16, n - 1) * HK + ck, mask=mk, other=0.0)
+    gi = tl.load(gam_ptr + off, mask=mi, other=0.0)
+    ki = tl.load(k_ptr + off, mask=mi, other=0.0).to(tl.float32)
+    qi = tl.load(q_ptr + off, mask=mi, other=0.0).to(tl.float32)
+    el = tl.exp(tl.where(mi, gi - ga[None, :], 0.0))  # a masked row's Γ = 0 would give e^{−Γ_a}: overflow
+    if SAFE:
+        kc = ki
+    else:
+        kc = ki * tl.exp(ga[None, :] - gi)  # a masked row has k = 0 and e^{Γ_a} <= 1: no `where` needed
+    return qi * el, ki * el, kc, ga, qi, ki, gi
+
+
+@triton.jit
+def _intra_diag_safe(k_ptr, gam_ptr, qi, ki, gi, n, HK, I: tl.constexpr, ck, mk):
+    """The diagonal block of rows I, pair by pair (``e^{Γ_i − Γ_j}`` for ``j <= i`` only: any gate)."""
+    ri = I * 16 + tl.arange(0, 16)
+    mi = (ri < n)[:, None] & mk[None, :]
+    r16 = tl.arange(0, 16)
+    akk = tl.zeros((16, 16), dtype=tl.float32)
+    aqk = tl.zeros((16, 16), dtype=tl.float32)
+    for jj in range(16):
+        j = I * 16 + jj
+        mj = mk & (j + 0 * ck < n)
+        gj = tl.load(gam_ptr + j * HK + ck, mask=mj, other=0.0)
+        kj = tl.load(k_ptr + j * HK + ck, mask=mj, other=0.0).to(tl.float32)
+        ok = ri >= j
+        kd = kj[None, :] * tl.exp(tl.where(ok[:, None] & mi, gi - gj[None, :], 0.0))
+        sel = ok[:, None] & (r16[None, :] == jj)
+        akk += tl.where(sel, tl.sum(ki * kd, axis=1)[:, None], 0.0)
+        aqk += tl.where(sel, tl.sum(qi * kd, axis=1)[:, None], 0.0)
+    return akk, aqk
+
+
+@triton.jit
+def _intra_put(akk_ptr, aqk_ptr, akk, aqk, beta, scale, s, e, h, H, I: tl.constexpr, J: tl.constexpr):
+    """Block (I, J) of ``A_kk`` (times β of its rows, strictly lower) and ``A_qk`` (times scale, lower)."""
+    if I == J:
+        r = tl.arange(0, 16)
+        akk = tl.where(r[None, :] < r[:, None], akk, 0.0)
+        aqk = tl.where(r[None, :] <= r[:, None], aqk, 0.0)
+    _put(akk_ptr, akk * beta[:, None], s, e, h, H, I, J)
+    _put(aqk_ptr, aqk * scale, s, e, h, H, I, J)
+
+
+@triton.jit
+def _intra_pair(akk_ptr, aqk_ptr, qr, kr, ga, beta, kc, gaj, kj, gj, scale, s, e, h, H, I: tl.constexpr,
+                J: tl.constexpr, SAFE: tl.constexpr):
+    """Block (I, J < I) as two dense dots of the row operands (anchored at a, row block I's first row) with column
+    block J anchored at a too: from J's own column operand (anchored at its first row a_J) times the per-column
+    ``e^{Γ_a − Γ_{a_J}}`` on the row side (one exp per column, not per element; a row or the product that underflows
+    stands for less than e^{−87 + 75} of the block's scale), or with any gate (SAFE) ``k_j e^{Γ_a − Γ_j}`` anew
+    (<= 1). Both anchors are rows <= i: row i's entries depend on no later token, bit for bit."""
+    if SAFE:
+        kc = kj * tl.exp(ga[None, :] - gj)
+    else:
+        x = tl.exp(ga - gaj)[None, :]
+        qr = qr * x
+        kr = kr * x
+    _intra_put(akk_ptr, aqk_ptr, tl.dot(kr, tl.trans(kc)), tl.dot(qr, tl.trans(kc)), beta, scale, s, e, h, H, I, J)
+
+
+@triton.jit
+def _intra_diag(akk_ptr, aqk_ptr, k_ptr, gam_ptr, qr, kr, kc, beta, qi, ki, gi, n, HK, ck, mk, scale, s, e, h, H,
+                I: tl.constexpr, SAFE: tl.constexpr):
+    """The diagonal block (I, I): one dense dot each (both operands anchored at the block's first row), or (SAFE,
+    any gate) pair by pair."""
+    if SAFE:
+        akk, aqk = _intra_diag_safe(k_ptr, gam_ptr, qi, ki, gi, n, HK, I, ck, mk)
+    else:
+        akk = tl.dot(kr, tl.trans(kc))
+        aqk = tl.dot(qr, tl.trans(kc))
+    _intra_put(akk_ptr, aqk_ptr, akk, aqk, beta, scale, s, e, h, H, I, I)
+
+
+@triton.jit
+def _intra_kernel(q_ptr, k_ptr, gam_ptr, b_ptr, akk_ptr, aqk_ptr, cstart_ptr, cend_ptr, scale, H,
+                  K: tl.constexpr, BK: tl.constexpr, SAFE: tl.constexpr):
+    """``A_kk`` (times β, strictly lower) and ``A_qk`` (times scale, lower, its upper blocks 0) of one chunk by
+    16 x 16 blocks (I, J <= I): ``(x_i e^{Γ_i − Γ_a}) · (k_j e^{Γ_a − Γ_j})`` with a the first row of row block I.
+    Each row block is loaded and exponentiated once and gives its column operand to the blocks below it (the
+    ``[16, K]`` column factors once per chunk, not once per row block). SAFE: the diagonal blocks pair by pair."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.load(cstart_ptr + c).to(tl.int64)
+    e = tl.load(cend_ptr + c).to(tl.int64)
+    n = e - s
+    HK = H * K
+    ck = tl.arange(0, BK)
+    mk = ck < K
+    base = s * HK + h * K
+    q_ptr += base
+    k_ptr += base
+    gam_ptr += base
+    b_ptr += s * H + h
+    r16 = tl.arange(0, 16)
+    zero = tl.zeros((16, 16), dtype=tl.float32)
+    # the upper blocks of A_qk (read whole by the O kernel); those of A_kk are never read
+    _put(aqk_ptr, zero, s, e, h, H, 0, 1)
+    _put(aqk_ptr, zero, s, e, h, H, 0, 2)
+    _put(aqk_ptr, zero, s, e, h, H, 0, 3)
+    _put(aqk_ptr, zero, s, e, h, H, 1, 2)
+    _put(aqk_ptr, zero, s, e, h, H, 1, 3)
+    _put(aqk_ptr, zero, s, e, h, H, 2, 3)
+    # row blocks in order; each block's column operand serves the blocks below it. Blocks past the end of a
+    # part-filled last chunk compute on masked (zero) rows and store nothing.
+    qr0, kr0, kc0, ga0, q0, k0, g0 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 0, ck, mk, SAFE)
+    b0 = tl.load(b_ptr + r16 * H, mask=r16 < n, other=0.0).to(tl.float32)
+    _intra_diag(akk_ptr, aqk_ptr, k_ptr, gam_ptr, qr0, kr0, kc0, b0, q0, k0, g0, n, HK, ck, mk, scale, s, e, h, H, 0, SAFE)
+    qr1, kr1, kc1, ga1, q1, k1, g1 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 1, ck, mk, SAFE)
+    b1 = tl.load(b_ptr + (16 + r16) * H, mask=16 + r16 < n, other=0.0).to(tl.float32)
+    _intra_pair(akk_ptr, aqk_ptr, qr1, kr1, ga1, b1, kc0, ga0, k0, g0, scale, s, e, h, H, 1, 0, SAFE)
+    _intra_diag(akk_ptr, aqk_ptr, k_ptr, gam_ptr, qr1, kr1, kc1, b1, q1, k1, g1, n, HK, ck, mk, scale, s, e, h, H, 1, SAFE)
+    qr2, kr2, kc2, ga2, q2, k2, g2 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 2, ck, mk, SAFE)
+    b2 = tl.load(b_ptr + (32 + r16) * H, mask=32 + r16 < n, other=0.0).to(tl.float32)
+    _intra_pair(akk_ptr, aqk_ptr, qr2, kr2, ga2, b2, kc0, ga0, k0, g0, scale, s, e, h, H, 2, 0, SAFE)
+    _intra_pair(akk_ptr, aqk_ptr, qr2, kr2, ga2, b2, kc1, ga1, k1, g1, scale, s, e, h, H, 2, 1, SAFE)
+    _intra_diag(akk_ptr, aqk_ptr, k_ptr, gam_ptr, qr2, kr2, kc2, b2, q2, k2, g2, n, HK, ck, mk, scale, s, e, h, H, 2, SAFE)
+    qr3, kr3, kc3, ga3, q3, k3, g3 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 3, ck, mk, SAFE)
+    b3 = tl.load(b_ptr + (48 + r16) * H, mask=48 + r16 < n, other=0.0).to(tl.float32)
+    _intra_pair(akk_ptr, aqk_ptr, qr3, kr3, ga3, b3, kc0, ga0, k0, g0, scale, s, e, h, H, 3, 0, SAFE)
+    _intra_pair(akk_ptr, aqk_ptr, qr3, kr3, ga3, b3, kc1, ga1, k1, g1, scale, s, e, h, H, 3, 1, SAFE)
+    _intra_pair(akk_ptr, aqk_ptr, qr3, kr3, ga3, b3, kc2, ga2, k2, g2, scale, s, e, h, H, 3, 2, SAFE)
+    _intra_diag(akk_ptr, aqk_ptr, k_ptr, gam_ptr, qr3, kr3, kc3, b3, q3, k3, g3, n, HK, ck, mk, scale, s, e, h, H, 3, SAFE)
 
 
 @triton.jit
@@ -914,7 +988,7 @@ def _prep(q, k, v, g, beta, gate, scale, safe, tables, aqk, tinv, w, kd, u0, qg,
                                                       **LAUNCH["gate_cumsum"])
     if intra:
         akk = torch.empty(TT, H, 64, device=q.device, dtype=torch.float32)
-        _intra_kernel[(NC * 4, H)](q, k, gam, beta, akk, aqk, cstart, cend, scale, H, K, BK, SAFE=safe,
+        _intra_kernel[(NC, H)](q, k, gam, beta, akk, aqk, cstart, cend, scale, H, K, BK, SAFE=safe,
                                   **LAUNCH["intra"])
         _solve_kernel[(NC, H)](akk, tinv, cstart, cend, H, TF32=_lp(q) and tinv.element_size() == 2,
                                **LAUNCH["solve"])
