@@ -50,7 +50,7 @@ STATES_LIMIT_BYTES = 4 << 30
 # benchmarks/tune_kda_kernels.py; the forward loop takes 2 pipeline stages where shared memory allows (BK <= 128).
 LAUNCH = {
     "gate_cumsum": dict(num_warps=4),
-    "intra": dict(num_warps=4),
+    "intra": dict(num_warps=2),
     "solve": dict(num_warps=1),  # its 16x16 dots in one warp: no cross-warp layout exchange (4x8K fwd 1.79 -> 1.73 ms)
     "wu": dict(num_warps=4, num_stages=3),
     "fwd_state": dict(num_warps=4),
@@ -80,7 +80,7 @@ LAUNCH = {
 # forward's and the backward's: a forward slab's 6 launches are less GPU work); SLAB_TOKENS forces a slab length
 # (tests: the slabbed paths under the interpreter).
 SLABS, SLAB_MIN_TOKEN_HEADS, SLAB_TOKENS = 8, dict(forward=1 << 18, backward=1 << 17), None
-SLICE = {"gate_k": 64, "wu_k": 64, "wu_v": 64, "bwd_intra_k": 128, "bwd_da_k": 64}
+SLICE = {"gate_k": 64, "intra_k": 32, "wu_k": 64, "wu_v": 64, "bwd_intra_k": 128, "bwd_da_k": 64}
 
 
 # --------------------------------------------------------------------------------------------------- forward
@@ -134,9 +134,9 @@ def _put(ptr, x, s, e, h, H, I: tl.constexpr, J: tl.constexpr):
 
 @triton.jit
 def _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, I: tl.constexpr, ck, mk, SAFE: tl.constexpr):
-    """Row block I (rows ``16 I .. 16 I + 15``) of a chunk of n rows, a = its first row: the row operands
-    ``q_i e^{Γ_i − Γ_a}``, ``k_i e^{Γ_i − Γ_a}`` (factors <= 1), the column operand ``k_i e^{Γ_a − Γ_i}`` (>= 1;
-    <= e^{75} with the bounded gate; SAFE: not formed, k as loaded), Γ_a, and q, k, Γ as loaded."""
+    """Columns ck of row block I (rows ``16 I .. 16 I + 15``) of a chunk of n rows, a = the block's first row: the
+    row operands ``q_i e^{Γ_i − Γ_a}``, ``k_i e^{Γ_i − Γ_a}`` (factors <= 1), the column operand ``k_i e^{Γ_a − Γ_i}``
+    (>= 1; <= e^{75} with the bounded gate; SAFE: not formed, k as loaded), Γ_a, and q, k, Γ as loaded."""
     ri = I * 16 + tl.arange(0, 16)
     mi = (ri < n)[:, None] & mk[None, :]
     off = ri[:, None] * HK + ck[None, :]
@@ -153,116 +153,116 @@ def _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, I: tl.constexpr, ck, mk, SAFE: tl.
 
 
 @triton.jit
-def _intra_diag_safe(k_ptr, gam_ptr, qi, ki, gi, n, HK, I: tl.constexpr, ck, mk):
-    """The diagonal block of rows I, pair by pair (``e^{Γ_i − Γ_j}`` for ``j <= i`` only: any gate)."""
-    ri = I * 16 + tl.arange(0, 16)
-    mi = (ri < n)[:, None] & mk[None, :]
-    r16 = tl.arange(0, 16)
-    akk = tl.zeros((16, 16), dtype=tl.float32)
-    aqk = tl.zeros((16, 16), dtype=tl.float32)
-    for jj in range(16):
-        j = I * 16 + jj
-        mj = mk & (j + 0 * ck < n)
-        gj = tl.load(gam_ptr + j * HK + ck, mask=mj, other=0.0)
-        kj = tl.load(k_ptr + j * HK + ck, mask=mj, other=0.0).to(tl.float32)
-        ok = ri >= j
-        kd = kj[None, :] * tl.exp(tl.where(ok[:, None] & mi, gi - gj[None, :], 0.0))
-        sel = ok[:, None] & (r16[None, :] == jj)
-        akk += tl.where(sel, tl.sum(ki * kd, axis=1)[:, None], 0.0)
-        aqk += tl.where(sel, tl.sum(qi * kd, axis=1)[:, None], 0.0)
-    return akk, aqk
+def _intra_diag(akk, aqk, k_ptr, gam_ptr, qr, kr, kc, qi, ki, gi, n, HK, I: tl.constexpr, ck, mk, SAFE: tl.constexpr):
+    """Adds columns ck's share of diagonal block (I, I): one dense dot each (both operands anchored at the block's
+    first row), or (SAFE, any gate) pair by pair (``e^{Γ_i − Γ_j}`` for ``j <= i`` only)."""
+    if SAFE:
+        ri = I * 16 + tl.arange(0, 16)
+        mi = (ri < n)[:, None] & mk[None, :]
+        r16 = tl.arange(0, 16)
+        for jj in range(16):
+            j = I * 16 + jj
+            mj = mk & (j + 0 * ck < n)
+            gj = tl.load(gam_ptr + j * HK + ck, mask=mj, other=0.0)
+            kj = tl.load(k_ptr + j * HK + ck, mask=mj, other=0.0).to(tl.float32)
+            ok = ri >= j
+            kd = kj[None, :] * tl.exp(tl.where(ok[:, None] & mi, gi - gj[None, :], 0.0))
+            sel = ok[:, None] & (r16[None, :] == jj)
+            akk += tl.where(sel, tl.sum(ki * kd, axis=1)[:, None], 0.0)
+            aqk += tl.where(sel, tl.sum(qi * kd, axis=1)[:, None], 0.0)
+        return akk, aqk
+    kct = tl.trans(kc)
+    return tl.dot(kr, kct, akk), tl.dot(qr, kct, aqk)
 
 
 @triton.jit
-def _intra_put(akk_ptr, aqk_ptr, akk, aqk, beta, scale, s, e, h, H, I: tl.constexpr, J: tl.constexpr):
-    """Block (I, J) of ``A_kk`` (times β of its rows, strictly lower) and ``A_qk`` (times scale, lower)."""
-    if I == J:
-        r = tl.arange(0, 16)
-        akk = tl.where(r[None, :] < r[:, None], akk, 0.0)
-        aqk = tl.where(r[None, :] <= r[:, None], aqk, 0.0)
-    _put(akk_ptr, akk * beta[:, None], s, e, h, H, I, J)
-    _put(aqk_ptr, aqk * scale, s, e, h, H, I, J)
-
-
-@triton.jit
-def _intra_pair(akk_ptr, aqk_ptr, qr, kr, ga, beta, kc, gaj, kj, gj, scale, s, e, h, H, I: tl.constexpr,
-                J: tl.constexpr, SAFE: tl.constexpr):
-    """Block (I, J < I) as two dense dots of the row operands (anchored at a, row block I's first row) with column
-    block J anchored at a too: from J's own column operand (anchored at its first row a_J) times the per-column
-    ``e^{Γ_a − Γ_{a_J}}`` on the row side (one exp per column, not per element; a row or the product that underflows
-    stands for less than e^{−87 + 75} of the block's scale), or with any gate (SAFE) ``k_j e^{Γ_a − Γ_j}`` anew
-    (<= 1). Both anchors are rows <= i: row i's entries depend on no later token, bit for bit."""
+def _intra_pair(akk, aqk, qr, kr, ga, kc, gaj, kj, gj, SAFE: tl.constexpr):
+    """Adds columns ck's share of block (I, J < I): the row operands (anchored at a, row block I's first row) with
+    column block J anchored at a too — from J's own column operand (anchored at its first row a_J) times the
+    per-column ``e^{Γ_a − Γ_{a_J}}`` (<= 1) on the row side: one exp per column, not per element (a factor that
+    underflows stands for less than e^{−87 + 75} of the block's scale); or with any gate (SAFE) ``k_j e^{Γ_a − Γ_j}``
+    anew (<= 1). Both anchors are rows <= i: row i's entries depend on no later token, bit for bit."""
     if SAFE:
         kc = kj * tl.exp(ga[None, :] - gj)
     else:
         x = tl.exp(ga - gaj)[None, :]
         qr = qr * x
         kr = kr * x
-    _intra_put(akk_ptr, aqk_ptr, tl.dot(kr, tl.trans(kc)), tl.dot(qr, tl.trans(kc)), beta, scale, s, e, h, H, I, J)
+    kct = tl.trans(kc)
+    return tl.dot(kr, kct, akk), tl.dot(qr, kct, aqk)
 
 
 @triton.jit
-def _intra_diag(akk_ptr, aqk_ptr, k_ptr, gam_ptr, qr, kr, kc, beta, qi, ki, gi, n, HK, ck, mk, scale, s, e, h, H,
-                I: tl.constexpr, SAFE: tl.constexpr):
-    """The diagonal block (I, I): one dense dot each (both operands anchored at the block's first row), or (SAFE,
-    any gate) pair by pair."""
-    if SAFE:
-        akk, aqk = _intra_diag_safe(k_ptr, gam_ptr, qi, ki, gi, n, HK, I, ck, mk)
-    else:
-        akk = tl.dot(kr, tl.trans(kc))
-        aqk = tl.dot(qr, tl.trans(kc))
-    _intra_put(akk_ptr, aqk_ptr, akk, aqk, beta, scale, s, e, h, H, I, I)
+def _intra_put(akk_ptr, aqk_ptr, akk, aqk, b_ptr, scale, s, e, h, H, I: tl.constexpr, J: tl.constexpr):
+    """Block (I, J) of ``A_kk`` (times β of its rows, strictly lower) and ``A_qk`` (times scale, lower)."""
+    r = tl.arange(0, 16)
+    if I == J:
+        akk = tl.where(r[None, :] < r[:, None], akk, 0.0)
+        aqk = tl.where(r[None, :] <= r[:, None], aqk, 0.0)
+    beta = tl.load(b_ptr + (I * 16 + r) * H, mask=I * 16 + r < e - s, other=0.0).to(tl.float32)
+    _put(akk_ptr, akk * beta[:, None], s, e, h, H, I, J)
+    _put(aqk_ptr, aqk * scale, s, e, h, H, I, J)
 
 
 @triton.jit
 def _intra_kernel(q_ptr, k_ptr, gam_ptr, b_ptr, akk_ptr, aqk_ptr, cstart_ptr, cend_ptr, scale, H,
                   K: tl.constexpr, BK: tl.constexpr, SAFE: tl.constexpr):
-    """``A_kk`` (times β, strictly lower) and ``A_qk`` (times scale, lower, its upper blocks 0) of one chunk by
-    16 x 16 blocks (I, J <= I): ``(x_i e^{Γ_i − Γ_a}) · (k_j e^{Γ_a − Γ_j})`` with a the first row of row block I.
-    Each row block is loaded and exponentiated once and gives its column operand to the blocks below it (the
-    ``[16, K]`` column factors once per chunk, not once per row block). SAFE: the diagonal blocks pair by pair."""
+    """``A_kk`` (times β, strictly lower) and ``A_qk`` (times scale, lower; its upper blocks 0) of one chunk by
+    16 x 16 blocks (I, J <= I): ``(x_i e^{Γ_i − Γ_a}) · (k_j e^{Γ_a − Γ_j})`` with a the first row of row block I,
+    summed over head-dim slices of BK. In each slice every row block is loaded and exponentiated once, and its
+    column operand serves the blocks below it (the column factors once per chunk, not once per row block).
+    SAFE: the diagonal blocks pair by pair. Blocks past the end of a part-filled last chunk compute on masked (zero)
+    rows and store nothing."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.load(cstart_ptr + c).to(tl.int64)
     e = tl.load(cend_ptr + c).to(tl.int64)
     n = e - s
     HK = H * K
-    ck = tl.arange(0, BK)
-    mk = ck < K
     base = s * HK + h * K
     q_ptr += base
     k_ptr += base
     gam_ptr += base
     b_ptr += s * H + h
-    r16 = tl.arange(0, 16)
-    zero = tl.zeros((16, 16), dtype=tl.float32)
-    # the upper blocks of A_qk (read whole by the O kernel); those of A_kk are never read
+    akk00 = tl.zeros((16, 16), dtype=tl.float32)
+    akk10, akk11, akk20, akk21, akk22, akk30, akk31, akk32, akk33 = (akk00, akk00, akk00, akk00, akk00, akk00, akk00,
+                                                                      akk00, akk00)
+    aqk00, aqk10, aqk11, aqk20, aqk21, aqk22, aqk30, aqk31, aqk32, aqk33 = (akk00, akk00, akk00, akk00, akk00, akk00,
+                                                                            akk00, akk00, akk00, akk00)
+    for k0 in range(0, K, BK):
+        ck = k0 + tl.arange(0, BK)
+        mk = ck < K
+        qr0, kr0, kc0, ga0, q0, k0_, g0 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 0, ck, mk, SAFE)
+        akk00, aqk00 = _intra_diag(akk00, aqk00, k_ptr, gam_ptr, qr0, kr0, kc0, q0, k0_, g0, n, HK, 0, ck, mk, SAFE)
+        qr1, kr1, kc1, ga1, q1, k1, g1 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 1, ck, mk, SAFE)
+        akk10, aqk10 = _intra_pair(akk10, aqk10, qr1, kr1, ga1, kc0, ga0, k0_, g0, SAFE)
+        akk11, aqk11 = _intra_diag(akk11, aqk11, k_ptr, gam_ptr, qr1, kr1, kc1, q1, k1, g1, n, HK, 1, ck, mk, SAFE)
+        qr2, kr2, kc2, ga2, q2, k2, g2 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 2, ck, mk, SAFE)
+        akk20, aqk20 = _intra_pair(akk20, aqk20, qr2, kr2, ga2, kc0, ga0, k0_, g0, SAFE)
+        akk21, aqk21 = _intra_pair(akk21, aqk21, qr2, kr2, ga2, kc1, ga1, k1, g1, SAFE)
+        akk22, aqk22 = _intra_diag(akk22, aqk22, k_ptr, gam_ptr, qr2, kr2, kc2, q2, k2, g2, n, HK, 2, ck, mk, SAFE)
+        qr3, kr3, kc3, ga3, q3, k3, g3 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 3, ck, mk, SAFE)
+        akk30, aqk30 = _intra_pair(akk30, aqk30, qr3, kr3, ga3, kc0, ga0, k0_, g0, SAFE)
+        akk31, aqk31 = _intra_pair(akk31, aqk31, qr3, kr3, ga3, kc1, ga1, k1, g1, SAFE)
+        akk32, aqk32 = _intra_pair(akk32, aqk32, qr3, kr3, ga3, kc2, ga2, k2, g2, SAFE)
+        akk33, aqk33 = _intra_diag(akk33, aqk33, k_ptr, gam_ptr, qr3, kr3, kc3, q3, k3, g3, n, HK, 3, ck, mk, SAFE)
+    _intra_put(akk_ptr, aqk_ptr, akk00, aqk00, b_ptr, scale, s, e, h, H, 0, 0)
+    _intra_put(akk_ptr, aqk_ptr, akk10, aqk10, b_ptr, scale, s, e, h, H, 1, 0)
+    _intra_put(akk_ptr, aqk_ptr, akk11, aqk11, b_ptr, scale, s, e, h, H, 1, 1)
+    _intra_put(akk_ptr, aqk_ptr, akk20, aqk20, b_ptr, scale, s, e, h, H, 2, 0)
+    _intra_put(akk_ptr, aqk_ptr, akk21, aqk21, b_ptr, scale, s, e, h, H, 2, 1)
+    _intra_put(akk_ptr, aqk_ptr, akk22, aqk22, b_ptr, scale, s, e, h, H, 2, 2)
+    _intra_put(akk_ptr, aqk_ptr, akk30, aqk30, b_ptr, scale, s, e, h, H, 3, 0)
+    _intra_put(akk_ptr, aqk_ptr, akk31, aqk31, b_ptr, scale, s, e, h, H, 3, 1)
+    _intra_put(akk_ptr, aqk_ptr, akk32, aqk32, b_ptr, scale, s, e, h, H, 3, 2)
+    _intra_put(akk_ptr, aqk_ptr, akk33, aqk33, b_ptr, scale, s, e, h, H, 3, 3)
+    zero = tl.zeros((16, 16), dtype=tl.float32)  # the upper blocks of A_qk (the O kernel reads whole rows)
     _put(aqk_ptr, zero, s, e, h, H, 0, 1)
     _put(aqk_ptr, zero, s, e, h, H, 0, 2)
     _put(aqk_ptr, zero, s, e, h, H, 0, 3)
     _put(aqk_ptr, zero, s, e, h, H, 1, 2)
     _put(aqk_ptr, zero, s, e, h, H, 1, 3)
     _put(aqk_ptr, zero, s, e, h, H, 2, 3)
-    # row blocks in order; each block's column operand serves the blocks below it. Blocks past the end of a
-    # part-filled last chunk compute on masked (zero) rows and store nothing.
-    qr0, kr0, kc0, ga0, q0, k0, g0 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 0, ck, mk, SAFE)
-    b0 = tl.load(b_ptr + r16 * H, mask=r16 < n, other=0.0).to(tl.float32)
-    _intra_diag(akk_ptr, aqk_ptr, k_ptr, gam_ptr, qr0, kr0, kc0, b0, q0, k0, g0, n, HK, ck, mk, scale, s, e, h, H, 0, SAFE)
-    qr1, kr1, kc1, ga1, q1, k1, g1 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 1, ck, mk, SAFE)
-    b1 = tl.load(b_ptr + (16 + r16) * H, mask=16 + r16 < n, other=0.0).to(tl.float32)
-    _intra_pair(akk_ptr, aqk_ptr, qr1, kr1, ga1, b1, kc0, ga0, k0, g0, scale, s, e, h, H, 1, 0, SAFE)
-    _intra_diag(akk_ptr, aqk_ptr, k_ptr, gam_ptr, qr1, kr1, kc1, b1, q1, k1, g1, n, HK, ck, mk, scale, s, e, h, H, 1, SAFE)
-    qr2, kr2, kc2, ga2, q2, k2, g2 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 2, ck, mk, SAFE)
-    b2 = tl.load(b_ptr + (32 + r16) * H, mask=32 + r16 < n, other=0.0).to(tl.float32)
-    _intra_pair(akk_ptr, aqk_ptr, qr2, kr2, ga2, b2, kc0, ga0, k0, g0, scale, s, e, h, H, 2, 0, SAFE)
-    _intra_pair(akk_ptr, aqk_ptr, qr2, kr2, ga2, b2, kc1, ga1, k1, g1, scale, s, e, h, H, 2, 1, SAFE)
-    _intra_diag(akk_ptr, aqk_ptr, k_ptr, gam_ptr, qr2, kr2, kc2, b2, q2, k2, g2, n, HK, ck, mk, scale, s, e, h, H, 2, SAFE)
-    qr3, kr3, kc3, ga3, q3, k3, g3 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 3, ck, mk, SAFE)
-    b3 = tl.load(b_ptr + (48 + r16) * H, mask=48 + r16 < n, other=0.0).to(tl.float32)
-    _intra_pair(akk_ptr, aqk_ptr, qr3, kr3, ga3, b3, kc0, ga0, k0, g0, scale, s, e, h, H, 3, 0, SAFE)
-    _intra_pair(akk_ptr, aqk_ptr, qr3, kr3, ga3, b3, kc1, ga1, k1, g1, scale, s, e, h, H, 3, 1, SAFE)
-    _intra_pair(akk_ptr, aqk_ptr, qr3, kr3, ga3, b3, kc2, ga2, k2, g2, scale, s, e, h, H, 3, 2, SAFE)
-    _intra_diag(akk_ptr, aqk_ptr, k_ptr, gam_ptr, qr3, kr3, kc3, b3, q3, k3, g3, n, HK, ck, mk, scale, s, e, h, H, 3, SAFE)
 
 
 @triton.jit
@@ -988,7 +988,7 @@ def _prep(q, k, v, g, beta, gate, scale, safe, tables, aqk, tinv, w, kd, u0, qg,
                                                       **LAUNCH["gate_cumsum"])
     if intra:
         akk = torch.empty(TT, H, 64, device=q.device, dtype=torch.float32)
-        _intra_kernel[(NC, H)](q, k, gam, beta, akk, aqk, cstart, cend, scale, H, K, BK, SAFE=safe,
+        _intra_kernel[(NC, H)](q, k, gam, beta, akk, aqk, cstart, cend, scale, H, K, min(BK, SLICE["intra_k"]), SAFE=safe,
                                   **LAUNCH["intra"])
         _solve_kernel[(NC, H)](akk, tinv, cstart, cend, H, TF32=_lp(q) and tinv.element_size() == 2,
                                **LAUNCH["solve"])
