@@ -51,7 +51,6 @@ STATES_LIMIT_BYTES = 4 << 30
 LAUNCH = {
     "gate_cumsum": dict(num_warps=4),
     "intra": dict(num_warps=2),
-    "solve": dict(num_warps=1),  # its 16x16 dots in one warp: no cross-warp layout exchange (4x8K fwd 1.79 -> 1.73 ms)
     "wu": dict(num_warps=4, num_stages=3),
     "fwd_state": dict(num_warps=4),
     "fwd_state_o": dict(num_warps=8),  # the loop writing O (no per-chunk states kept: a 1M-token forward)
@@ -117,19 +116,65 @@ def _gate_cumsum_kernel(g_ptr, a_ptr, dtb_ptr, gam_ptr, cstart_ptr, cend_ptr, lo
 
 
 @triton.jit
-def _block(ptr, s, e, h, H, I: tl.constexpr, J: tl.constexpr):
-    """Block ``(I, J)`` (16 x 16) of a chunk's ``[64, 64]`` matrix stored as ``[TT, H, 64]``; rows past the end 0."""
-    r = tl.arange(0, 16)
-    ptr += s * (H * 64) + h * 64
-    return tl.load(ptr + (I * 16 + r)[:, None] * (H * 64) + J * 16 + r[None, :], mask=(I * 16 + r < e - s)[:, None],
-                   other=0.0)
-
-
-@triton.jit
 def _put(ptr, x, s, e, h, H, I: tl.constexpr, J: tl.constexpr):
     r = tl.arange(0, 16)
     ptr += s * (H * 64) + h * 64
     tl.store(ptr + (I * 16 + r)[:, None] * (H * 64) + J * 16 + r[None, :], x, mask=(I * 16 + r < e - s)[:, None])
+
+
+@triton.jit
+def _dot(a, b, TF32: tl.constexpr):
+    """The solve's 16 x 16 dots: on tf32 tensor cores when T is stored in 16 bits (tf32 keeps 3 more mantissa bits
+    than the stored bf16 T; fla-core's solve runs tf32 too), else fp32 FMA."""
+    if TF32:
+        return tl.dot(a, b, input_precision="tf32")
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _inv_unit_lower(lo, TF32: tl.constexpr):
+    """``(I + L)^-1`` of a strictly lower 16 x 16 ``L``: ``(I − L)(I + L²)(I + L⁴)(I + L⁸)``, exact as L^16 = 0."""
+    r = tl.arange(0, 16)
+    x = tl.where(r[:, None] == r[None, :], 1.0, 0.0) - lo
+    l2 = _dot(lo, lo, TF32)
+    x += _dot(x, l2, TF32)
+    l4 = _dot(l2, l2, TF32)
+    x += _dot(x, l4, TF32)
+    return x + _dot(x, _dot(l4, l4, TF32), TF32)
+
+
+@triton.jit
+def _solve(tinv_ptr, a00, a10, a11, a20, a21, a22, a30, a31, a32, a33, s, e, h, H, TF32: tl.constexpr):
+    """``T = (I + A_kk)^-1`` of one chunk from the 16 x 16 blocks of its strictly lower ``A_kk`` (times β):
+    diagonal blocks by a nilpotent product, then block forward substitution ``T_IJ = −T_II Σ_{J<=M<I} A_IM T_MJ``
+    (``_dot``: tf32 or fp32 FMA). Every block of T is written."""
+    d0 = _inv_unit_lower(a00, TF32)
+    d1 = _inv_unit_lower(a11, TF32)
+    d2 = _inv_unit_lower(a22, TF32)
+    d3 = _inv_unit_lower(a33, TF32)
+    t10 = -_dot(d1, _dot(a10, d0, TF32), TF32)
+    t21 = -_dot(d2, _dot(a21, d1, TF32), TF32)
+    t32 = -_dot(d3, _dot(a32, d2, TF32), TF32)
+    t20 = -_dot(d2, _dot(a20, d0, TF32) + _dot(a21, t10, TF32), TF32)
+    t31 = -_dot(d3, _dot(a31, d1, TF32) + _dot(a32, t21, TF32), TF32)
+    t30 = -_dot(d3, _dot(a30, d0, TF32) + _dot(a31, t10, TF32) + _dot(a32, t20, TF32), TF32)
+    zero = tl.zeros((16, 16), dtype=tl.float32)
+    _put(tinv_ptr, d0, s, e, h, H, 0, 0)
+    _put(tinv_ptr, zero, s, e, h, H, 0, 1)
+    _put(tinv_ptr, zero, s, e, h, H, 0, 2)
+    _put(tinv_ptr, zero, s, e, h, H, 0, 3)
+    _put(tinv_ptr, t10, s, e, h, H, 1, 0)
+    _put(tinv_ptr, d1, s, e, h, H, 1, 1)
+    _put(tinv_ptr, zero, s, e, h, H, 1, 2)
+    _put(tinv_ptr, zero, s, e, h, H, 1, 3)
+    _put(tinv_ptr, t20, s, e, h, H, 2, 0)
+    _put(tinv_ptr, t21, s, e, h, H, 2, 1)
+    _put(tinv_ptr, d2, s, e, h, H, 2, 2)
+    _put(tinv_ptr, zero, s, e, h, H, 2, 3)
+    _put(tinv_ptr, t30, s, e, h, H, 3, 0)
+    _put(tinv_ptr, t31, s, e, h, H, 3, 1)
+    _put(tinv_ptr, t32, s, e, h, H, 3, 2)
+    _put(tinv_ptr, d3, s, e, h, H, 3, 3)
 
 
 @triton.jit
@@ -193,20 +238,28 @@ def _intra_pair(akk, aqk, qr, kr, ga, kc, gaj, kj, gj, SAFE: tl.constexpr):
 
 
 @triton.jit
-def _intra_put(akk_ptr, aqk_ptr, akk, aqk, b_ptr, scale, s, e, h, H, I: tl.constexpr, J: tl.constexpr):
-    """Block (I, J) of ``A_kk`` (times β of its rows, strictly lower) and ``A_qk`` (times scale, lower)."""
-    r = tl.arange(0, 16)
+def _intra_lower(x, I: tl.constexpr, J: tl.constexpr, STRICT: tl.constexpr):
+    """Block (I, J) of a lower (STRICT: strictly lower) ``[64, 64]`` matrix: the diagonal block masked."""
     if I == J:
-        akk = tl.where(r[None, :] < r[:, None], akk, 0.0)
-        aqk = tl.where(r[None, :] <= r[:, None], aqk, 0.0)
-    beta = tl.load(b_ptr + (I * 16 + r) * H, mask=I * 16 + r < e - s, other=0.0).to(tl.float32)
-    _put(akk_ptr, akk * beta[:, None], s, e, h, H, I, J)
-    _put(aqk_ptr, aqk * scale, s, e, h, H, I, J)
+        r = tl.arange(0, 16)
+        if STRICT:
+            x = tl.where(r[None, :] < r[:, None], x, 0.0)
+        else:
+            x = tl.where(r[None, :] <= r[:, None], x, 0.0)
+    return x
 
 
 @triton.jit
-def _intra_kernel(q_ptr, k_ptr, gam_ptr, b_ptr, akk_ptr, aqk_ptr, cstart_ptr, cend_ptr, scale, H,
-                  K: tl.constexpr, BK: tl.constexpr, SAFE: tl.constexpr):
+def _intra_akk(akk, b_ptr, s, e, H, I: tl.constexpr, J: tl.constexpr):
+    """Block (I, J) of ``A_kk``: strictly lower, times β of its rows."""
+    r = tl.arange(0, 16)
+    beta = tl.load(b_ptr + (I * 16 + r) * H, mask=I * 16 + r < e - s, other=0.0).to(tl.float32)
+    return _intra_lower(akk, I, J, True) * beta[:, None]
+
+
+@triton.jit
+def _intra_kernel(q_ptr, k_ptr, gam_ptr, b_ptr, aqk_ptr, tinv_ptr, cstart_ptr, cend_ptr, scale, H,
+                  K: tl.constexpr, BK: tl.constexpr, SAFE: tl.constexpr, TF32: tl.constexpr):
     """``A_kk`` (times β, strictly lower) and ``A_qk`` (times scale, lower; its upper blocks 0) of one chunk by
     16 x 16 blocks (I, J <= I): ``(x_i e^{Γ_i − Γ_a}) · (k_j e^{Γ_a − Γ_j})`` with a the first row of row block I,
     summed over head-dim slices of BK. In each slice every row block is loaded and exponentiated once, and its
@@ -246,88 +299,31 @@ def _intra_kernel(q_ptr, k_ptr, gam_ptr, b_ptr, akk_ptr, aqk_ptr, cstart_ptr, ce
         akk31, aqk31 = _intra_pair(akk31, aqk31, qr3, kr3, ga3, kc1, ga1, k1, g1, SAFE)
         akk32, aqk32 = _intra_pair(akk32, aqk32, qr3, kr3, ga3, kc2, ga2, k2, g2, SAFE)
         akk33, aqk33 = _intra_diag(akk33, aqk33, k_ptr, gam_ptr, qr3, kr3, kc3, q3, k3, g3, n, HK, 3, ck, mk, SAFE)
-    _intra_put(akk_ptr, aqk_ptr, akk00, aqk00, b_ptr, scale, s, e, h, H, 0, 0)
-    _intra_put(akk_ptr, aqk_ptr, akk10, aqk10, b_ptr, scale, s, e, h, H, 1, 0)
-    _intra_put(akk_ptr, aqk_ptr, akk11, aqk11, b_ptr, scale, s, e, h, H, 1, 1)
-    _intra_put(akk_ptr, aqk_ptr, akk20, aqk20, b_ptr, scale, s, e, h, H, 2, 0)
-    _intra_put(akk_ptr, aqk_ptr, akk21, aqk21, b_ptr, scale, s, e, h, H, 2, 1)
-    _intra_put(akk_ptr, aqk_ptr, akk22, aqk22, b_ptr, scale, s, e, h, H, 2, 2)
-    _intra_put(akk_ptr, aqk_ptr, akk30, aqk30, b_ptr, scale, s, e, h, H, 3, 0)
-    _intra_put(akk_ptr, aqk_ptr, akk31, aqk31, b_ptr, scale, s, e, h, H, 3, 1)
-    _intra_put(akk_ptr, aqk_ptr, akk32, aqk32, b_ptr, scale, s, e, h, H, 3, 2)
-    _intra_put(akk_ptr, aqk_ptr, akk33, aqk33, b_ptr, scale, s, e, h, H, 3, 3)
-    zero = tl.zeros((16, 16), dtype=tl.float32)  # the upper blocks of A_qk (the O kernel reads whole rows)
-    _put(aqk_ptr, zero, s, e, h, H, 0, 1)
-    _put(aqk_ptr, zero, s, e, h, H, 0, 2)
-    _put(aqk_ptr, zero, s, e, h, H, 0, 3)
-    _put(aqk_ptr, zero, s, e, h, H, 1, 2)
-    _put(aqk_ptr, zero, s, e, h, H, 1, 3)
-    _put(aqk_ptr, zero, s, e, h, H, 2, 3)
-
-
-@triton.jit
-def _dot(a, b, TF32: tl.constexpr):
-    """The solve's 16 x 16 dots: on tf32 tensor cores when T is stored in 16 bits (tf32 keeps 3 more mantissa bits
-    than the stored bf16 T; fla-core's solve runs tf32 too), else fp32 FMA."""
-    if TF32:
-        return tl.dot(a, b, input_precision="tf32")
-    return tl.dot(a, b, input_precision="ieee")
-
-
-@triton.jit
-def _inv_unit_lower(lo, TF32: tl.constexpr):
-    """``(I + L)^-1`` of a strictly lower 16 x 16 ``L``: ``(I − L)(I + L²)(I + L⁴)(I + L⁸)``, exact as L^16 = 0."""
-    r = tl.arange(0, 16)
-    x = tl.where(r[:, None] == r[None, :], 1.0, 0.0) - lo
-    l2 = _dot(lo, lo, TF32)
-    x += _dot(x, l2, TF32)
-    l4 = _dot(l2, l2, TF32)
-    x += _dot(x, l4, TF32)
-    return x + _dot(x, _dot(l4, l4, TF32), TF32)
-
-
-@triton.jit
-def _solve_kernel(akk_ptr, tinv_ptr, cstart_ptr, cend_ptr, H, TF32: tl.constexpr):
-    """``T = (I + A_kk)^-1`` of one chunk by 16 x 16 blocks: diagonal blocks by a nilpotent product, then block
-    forward substitution ``T_IJ = −T_II Σ_{J<=M<I} A_IM T_MJ`` (``_dot``: tf32 or fp32 FMA). Every block of T is
-    written."""
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.load(cstart_ptr + c).to(tl.int64)
-    e = tl.load(cend_ptr + c).to(tl.int64)
-    d0 = _inv_unit_lower(_block(akk_ptr, s, e, h, H, 0, 0), TF32)
-    d1 = _inv_unit_lower(_block(akk_ptr, s, e, h, H, 1, 1), TF32)
-    d2 = _inv_unit_lower(_block(akk_ptr, s, e, h, H, 2, 2), TF32)
-    d3 = _inv_unit_lower(_block(akk_ptr, s, e, h, H, 3, 3), TF32)
-    a10 = _block(akk_ptr, s, e, h, H, 1, 0)
-    a21 = _block(akk_ptr, s, e, h, H, 2, 1)
-    a32 = _block(akk_ptr, s, e, h, H, 3, 2)
-    t10 = -_dot(d1, _dot(a10, d0, TF32), TF32)
-    t21 = -_dot(d2, _dot(a21, d1, TF32), TF32)
-    t32 = -_dot(d3, _dot(a32, d2, TF32), TF32)
-    a20 = _block(akk_ptr, s, e, h, H, 2, 0)
-    a31 = _block(akk_ptr, s, e, h, H, 3, 1)
-    t20 = -_dot(d2, _dot(a20, d0, TF32) + _dot(a21, t10, TF32), TF32)
-    t31 = -_dot(d3, _dot(a31, d1, TF32) + _dot(a32, t21, TF32), TF32)
-    a30 = _block(akk_ptr, s, e, h, H, 3, 0)
-    t30 = -_dot(d3, _dot(a30, d0, TF32) + _dot(a31, t10, TF32) + _dot(a32, t20, TF32), TF32)
     zero = tl.zeros((16, 16), dtype=tl.float32)
-    _put(tinv_ptr, d0, s, e, h, H, 0, 0)
-    _put(tinv_ptr, zero, s, e, h, H, 0, 1)
-    _put(tinv_ptr, zero, s, e, h, H, 0, 2)
-    _put(tinv_ptr, zero, s, e, h, H, 0, 3)
-    _put(tinv_ptr, t10, s, e, h, H, 1, 0)
-    _put(tinv_ptr, d1, s, e, h, H, 1, 1)
-    _put(tinv_ptr, zero, s, e, h, H, 1, 2)
-    _put(tinv_ptr, zero, s, e, h, H, 1, 3)
-    _put(tinv_ptr, t20, s, e, h, H, 2, 0)
-    _put(tinv_ptr, t21, s, e, h, H, 2, 1)
-    _put(tinv_ptr, d2, s, e, h, H, 2, 2)
-    _put(tinv_ptr, zero, s, e, h, H, 2, 3)
-    _put(tinv_ptr, t30, s, e, h, H, 3, 0)
-    _put(tinv_ptr, t31, s, e, h, H, 3, 1)
-    _put(tinv_ptr, t32, s, e, h, H, 3, 2)
-    _put(tinv_ptr, d3, s, e, h, H, 3, 3)
+    _put(aqk_ptr, _intra_lower(aqk00, 0, 0, False) * scale, s, e, h, H, 0, 0)
+    _put(aqk_ptr, zero, s, e, h, H, 0, 1)  # upper: the O kernel reads whole rows
+    _put(aqk_ptr, zero, s, e, h, H, 0, 2)  # upper: the O kernel reads whole rows
+    _put(aqk_ptr, zero, s, e, h, H, 0, 3)  # upper: the O kernel reads whole rows
+    _put(aqk_ptr, _intra_lower(aqk10, 1, 0, False) * scale, s, e, h, H, 1, 0)
+    _put(aqk_ptr, _intra_lower(aqk11, 1, 1, False) * scale, s, e, h, H, 1, 1)
+    _put(aqk_ptr, zero, s, e, h, H, 1, 2)  # upper: the O kernel reads whole rows
+    _put(aqk_ptr, zero, s, e, h, H, 1, 3)  # upper: the O kernel reads whole rows
+    _put(aqk_ptr, _intra_lower(aqk20, 2, 0, False) * scale, s, e, h, H, 2, 0)
+    _put(aqk_ptr, _intra_lower(aqk21, 2, 1, False) * scale, s, e, h, H, 2, 1)
+    _put(aqk_ptr, _intra_lower(aqk22, 2, 2, False) * scale, s, e, h, H, 2, 2)
+    _put(aqk_ptr, zero, s, e, h, H, 2, 3)  # upper: the O kernel reads whole rows
+    _put(aqk_ptr, _intra_lower(aqk30, 3, 0, False) * scale, s, e, h, H, 3, 0)
+    _put(aqk_ptr, _intra_lower(aqk31, 3, 1, False) * scale, s, e, h, H, 3, 1)
+    _put(aqk_ptr, _intra_lower(aqk32, 3, 2, False) * scale, s, e, h, H, 3, 2)
+    _put(aqk_ptr, _intra_lower(aqk33, 3, 3, False) * scale, s, e, h, H, 3, 3)
+    # A_kk (times β) straight into the solve: it never goes through memory
+    _solve(tinv_ptr, _intra_akk(akk00, b_ptr, s, e, H, 0, 0),
+           _intra_akk(akk10, b_ptr, s, e, H, 1, 0), _intra_akk(akk11, b_ptr, s, e, H, 1, 1),
+           _intra_akk(akk20, b_ptr, s, e, H, 2, 0), _intra_akk(akk21, b_ptr, s, e, H, 2, 1),
+           _intra_akk(akk22, b_ptr, s, e, H, 2, 2), _intra_akk(akk30, b_ptr, s, e, H, 3, 0),
+           _intra_akk(akk31, b_ptr, s, e, H, 3, 1), _intra_akk(akk32, b_ptr, s, e, H, 3, 2),
+           _intra_akk(akk33, b_ptr, s, e, H, 3, 3),
+           s, e, h, H, TF32)
 
 
 @triton.jit
@@ -987,12 +983,8 @@ def _prep(q, k, v, g, beta, gate, scale, safe, tables, aqk, tinv, w, kd, u0, qg,
     _gate_cumsum_kernel[(NC, H, triton.cdiv(K, BKg))](g, a, dtb, gam, cstart, cend, lb, H, K, BKg, GATE=mode,
                                                       **LAUNCH["gate_cumsum"])
     if intra:
-        akk = torch.empty(TT, H, 64, device=q.device, dtype=torch.float32)
-        _intra_kernel[(NC, H)](q, k, gam, beta, akk, aqk, cstart, cend, scale, H, K, min(BK, SLICE["intra_k"]), SAFE=safe,
-                                  **LAUNCH["intra"])
-        _solve_kernel[(NC, H)](akk, tinv, cstart, cend, H, TF32=_lp(q) and tinv.element_size() == 2,
-                               **LAUNCH["solve"])
-        del akk
+        _intra_kernel[(NC, H)](q, k, gam, beta, aqk, tinv, cstart, cend, scale, H, K, min(BK, SLICE["intra_k"]),
+                               SAFE=safe, TF32=_lp(q) and tinv.element_size() == 2, **LAUNCH["intra"])
     _wu_kernel[(NC, H)](q, k, v, beta, gam, tinv, w, u0, qg if qg is not None else w, kd, dl,
                         hs_kept if hs_kept is not None else dl, cstart, cend, scale, H, K, V, min(BK, SLICE["wu_k"]),
                         min(BVf, SLICE["wu_v"]), STORE_QG=qg is not None, U_FROM_STATES=hs_kept is not None,
