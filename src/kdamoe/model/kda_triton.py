@@ -15,20 +15,22 @@ exponents ``<= 0``; the diagonal sub-block gives ``Γ_a − Γ_j <= 15 · 5 = 75
 (the bounded gate), finite in fp32, so with ``safe=False`` every causal sub-block, the diagonal one
 included, is one dense ``tl.dot``. Exponents of later (non-causal) columns are masked to 0 *before* ``exp``,
 so nothing overflows and future tokens never reach earlier outputs. With ``safe=True`` (the unbounded
-softplus gate) the diagonal sub-blocks are computed pair by pair with masked exponents ``<= 0``.
+softplus gate) the diagonal sub-blocks are computed pair by pair with masked exponents ``<= 0``. The forward
+forms each column sub-block J's factor once, anchored at its own first row ``a_J``, and moves ``e^{Γ_a − Γ_{a_J}}
+<= 1`` to the row side as a per-column vector (one exp per column instead of one per element).
 
-Forward kernels: ``_gate_cumsum`` (fused gate, Γ), ``_intra`` (A_kk, A_qk per 16-row block), ``_solve`` (T by 16×16
-blocks), ``_wu`` (W, U0 and the loop's operands), ``_fwd_state`` (per sequence, head and V block: the sequential
-chunk loop) and ``_fwd_o`` (O per chunk, in parallel, from the stored states). Backward: the autograd forward keeps
-the inputs, A_qk, T and the per-chunk states (memory linear in T: 1.0 KB per token and head at K = V = 128 with
-bf16 inputs, output included; fla-core keeps 0.5 KB and recomputes its states); the backward recomputes Γ and W, U0
-(``_wu`` turns U0 into U from the kept states: no second chunk loop; above ``STATES_LIMIT_BYTES`` of states the loop
-runs again instead), then ``_bwd_du0`` (Pᵀ dO), ``_bwd_state`` (the reverse loop carrying dS), ``_bwd_v`` (sums
-over V), ``_bwd_da`` (dA = −Tᵀ dT Tᵀ, Tᵀ dW), ``_bwd_intra`` (dq, dk, dβ and dΓ per 16-row block: dense and pairwise
-terms) and ``_bwd_dg`` (suffix sums of dΓ and the gate's chain rule). Launch settings per kernel: ``LAUNCH``. The
-q/k L2 norm runs in torch before the kernels. A single long sequence runs in slabs (``_slabs``): the chunk loop of
-a slab on a second CUDA stream beside the parallel kernels of the next slab (forward) or of the one after it
-(backward, from the last slab), the state carried between slabs in fp32: bit-identical to one pass.
+Forward kernels: ``_gate_cumsum`` (fused gate, Γ), ``_intra`` (per chunk A_qk, and T by 16×16 blocks from A_kk kept
+in registers), ``_wu`` (W, U0 and the loop's operands), ``_fwd_state`` (per sequence, head and V block: the
+sequential chunk loop) and ``_fwd_o`` (O per chunk, in parallel, from the stored states). Backward: the autograd
+forward keeps the inputs, A_qk, T and the per-chunk states (memory linear in T: 1.0 KB per token and head at K = V =
+128 with bf16 inputs, output included; fla-core keeps 0.5 KB and recomputes its states); the backward recomputes Γ
+and W, U0 (``_wu`` turns U0 into U from the kept states: no second chunk loop; above ``STATES_LIMIT_BYTES`` of
+states the loop runs again instead), then ``_bwd_du0`` (Pᵀ dO), ``_bwd_state`` (the reverse loop carrying dS),
+``_bwd_v`` (sums over V), ``_bwd_da`` (dA = −Tᵀ dT Tᵀ, Tᵀ dW), ``_bwd_intra`` (dq, dk, dβ and dΓ per 16-row block:
+dense and pairwise terms) and ``_bwd_dg`` (suffix sums of dΓ and the gate's chain rule). Launch settings per kernel:
+``LAUNCH``. The q/k L2 norm runs in torch before the kernels. A single long sequence runs in slabs (``_slabs``): the
+chunk loop of a slab on a second CUDA stream beside the parallel kernels of the next slab (forward) or of the one
+after it (backward, from the last slab), the state carried between slabs in fp32: bit-identical to one pass.
 """
 
 import contextlib
@@ -50,8 +52,11 @@ STATES_LIMIT_BYTES = 4 << 30
 # benchmarks/tune_kda_kernels.py; the forward loop takes 2 pipeline stages where shared memory allows (BK <= 128).
 LAUNCH = {
     "gate_cumsum": dict(num_warps=4),
-    "intra": dict(num_warps=2),
-    "wu": dict(num_warps=4, num_stages=3),
+    # one program per chunk, 16-wide head-dim slices (SLICE): 1 warp as fla-core's intra kernels (its [16, 16] dots
+    # need no cross-warp exchange); 2 stages: 4x8K / 1x32K forward 1.55 / 1.78 ms at 3, 1.49 / 1.71 at 2, 1.59 /
+    # 1.90 at 2 warps (H200, session 15)
+    "intra": dict(num_warps=1, num_stages=2),
+    "wu": dict(num_warps=4, num_stages=3),  # 3 stages with U0 on bf16 MMA: 4x8K fwd 1.72 -> 1.68 ms (session 15)
     "fwd_state": dict(num_warps=4),
     "fwd_state_o": dict(num_warps=8),  # the loop writing O (no per-chunk states kept: a 1M-token forward)
     "fwd_o": dict(num_warps=2),
@@ -79,7 +84,7 @@ LAUNCH = {
 # forward's and the backward's: a forward slab's 6 launches are less GPU work); SLAB_TOKENS forces a slab length
 # (tests: the slabbed paths under the interpreter).
 SLABS, SLAB_MIN_TOKEN_HEADS, SLAB_TOKENS = 8, dict(forward=1 << 18, backward=1 << 17), None
-SLICE = {"gate_k": 64, "intra_k": 32, "wu_k": 64, "wu_v": 64, "bwd_intra_k": 128, "bwd_da_k": 64}
+SLICE = {"gate_k": 64, "intra_k": 16, "wu_k": 64, "wu_v": 64, "bwd_intra_k": 128, "bwd_da_k": 64}
 
 
 # --------------------------------------------------------------------------------------------------- forward
@@ -260,12 +265,13 @@ def _intra_akk(akk, b_ptr, s, e, H, I: tl.constexpr, J: tl.constexpr):
 @triton.jit
 def _intra_kernel(q_ptr, k_ptr, gam_ptr, b_ptr, aqk_ptr, tinv_ptr, cstart_ptr, cend_ptr, scale, H,
                   K: tl.constexpr, BK: tl.constexpr, SAFE: tl.constexpr, TF32: tl.constexpr):
-    """``A_kk`` (times β, strictly lower) and ``A_qk`` (times scale, lower; its upper blocks 0) of one chunk by
-    16 x 16 blocks (I, J <= I): ``(x_i e^{Γ_i − Γ_a}) · (k_j e^{Γ_a − Γ_j})`` with a the first row of row block I,
-    summed over head-dim slices of BK. In each slice every row block is loaded and exponentiated once, and its
-    column operand serves the blocks below it (the column factors once per chunk, not once per row block).
-    SAFE: the diagonal blocks pair by pair. Blocks past the end of a part-filled last chunk compute on masked (zero)
-    rows and store nothing."""
+    """``A_qk`` (times scale, lower; its upper blocks 0) and ``T = (I + A_kk)^-1`` (A_kk times β, strictly lower) of
+    one chunk by 16 x 16 blocks (I, J <= I): ``(x_i e^{Γ_i − Γ_a}) · (k_j e^{Γ_a − Γ_j})`` with a the first row of
+    row block I, summed over head-dim slices of BK in 20 accumulators. In each slice every row block is loaded and
+    exponentiated once, and its column operand serves the blocks below it (the column factors once per chunk, not
+    once per row block: 4x8K `_intra` + `_solve` 628 -> ~450 µs, H200). A_kk goes from the accumulators into the
+    solve, never through memory. SAFE: the diagonal blocks pair by pair. Blocks past the end of a part-filled last
+    chunk compute on masked (zero) rows and store nothing."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.load(cstart_ptr + c).to(tl.int64)
@@ -282,36 +288,36 @@ def _intra_kernel(q_ptr, k_ptr, gam_ptr, b_ptr, aqk_ptr, tinv_ptr, cstart_ptr, c
                                                                       akk00, akk00)
     aqk00, aqk10, aqk11, aqk20, aqk21, aqk22, aqk30, aqk31, aqk32, aqk33 = (akk00, akk00, akk00, akk00, akk00, akk00,
                                                                             akk00, akk00, akk00, akk00)
-    for k0 in range(0, K, BK):
-        ck = k0 + tl.arange(0, BK)
+    for c0 in range(0, K, BK):
+        ck = c0 + tl.arange(0, BK)
         mk = ck < K
-        qr0, kr0, kc0, ga0, q0, k0_, g0 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 0, ck, mk, SAFE)
-        akk00, aqk00 = _intra_diag(akk00, aqk00, k_ptr, gam_ptr, qr0, kr0, kc0, q0, k0_, g0, n, HK, 0, ck, mk, SAFE)
+        qr0, kr0, kc0, ga0, q0, k0, g0 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 0, ck, mk, SAFE)
+        akk00, aqk00 = _intra_diag(akk00, aqk00, k_ptr, gam_ptr, qr0, kr0, kc0, q0, k0, g0, n, HK, 0, ck, mk, SAFE)
         qr1, kr1, kc1, ga1, q1, k1, g1 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 1, ck, mk, SAFE)
-        akk10, aqk10 = _intra_pair(akk10, aqk10, qr1, kr1, ga1, kc0, ga0, k0_, g0, SAFE)
+        akk10, aqk10 = _intra_pair(akk10, aqk10, qr1, kr1, ga1, kc0, ga0, k0, g0, SAFE)
         akk11, aqk11 = _intra_diag(akk11, aqk11, k_ptr, gam_ptr, qr1, kr1, kc1, q1, k1, g1, n, HK, 1, ck, mk, SAFE)
         qr2, kr2, kc2, ga2, q2, k2, g2 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 2, ck, mk, SAFE)
-        akk20, aqk20 = _intra_pair(akk20, aqk20, qr2, kr2, ga2, kc0, ga0, k0_, g0, SAFE)
+        akk20, aqk20 = _intra_pair(akk20, aqk20, qr2, kr2, ga2, kc0, ga0, k0, g0, SAFE)
         akk21, aqk21 = _intra_pair(akk21, aqk21, qr2, kr2, ga2, kc1, ga1, k1, g1, SAFE)
         akk22, aqk22 = _intra_diag(akk22, aqk22, k_ptr, gam_ptr, qr2, kr2, kc2, q2, k2, g2, n, HK, 2, ck, mk, SAFE)
         qr3, kr3, kc3, ga3, q3, k3, g3 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 3, ck, mk, SAFE)
-        akk30, aqk30 = _intra_pair(akk30, aqk30, qr3, kr3, ga3, kc0, ga0, k0_, g0, SAFE)
+        akk30, aqk30 = _intra_pair(akk30, aqk30, qr3, kr3, ga3, kc0, ga0, k0, g0, SAFE)
         akk31, aqk31 = _intra_pair(akk31, aqk31, qr3, kr3, ga3, kc1, ga1, k1, g1, SAFE)
         akk32, aqk32 = _intra_pair(akk32, aqk32, qr3, kr3, ga3, kc2, ga2, k2, g2, SAFE)
         akk33, aqk33 = _intra_diag(akk33, aqk33, k_ptr, gam_ptr, qr3, kr3, kc3, q3, k3, g3, n, HK, 3, ck, mk, SAFE)
-    zero = tl.zeros((16, 16), dtype=tl.float32)
+    zero = tl.zeros((16, 16), dtype=tl.float32)  # A_qk's upper blocks: the O kernel reads whole rows
     _put(aqk_ptr, _intra_lower(aqk00, 0, 0, False) * scale, s, e, h, H, 0, 0)
-    _put(aqk_ptr, zero, s, e, h, H, 0, 1)  # upper: the O kernel reads whole rows
-    _put(aqk_ptr, zero, s, e, h, H, 0, 2)  # upper: the O kernel reads whole rows
-    _put(aqk_ptr, zero, s, e, h, H, 0, 3)  # upper: the O kernel reads whole rows
+    _put(aqk_ptr, zero, s, e, h, H, 0, 1)
+    _put(aqk_ptr, zero, s, e, h, H, 0, 2)
+    _put(aqk_ptr, zero, s, e, h, H, 0, 3)
     _put(aqk_ptr, _intra_lower(aqk10, 1, 0, False) * scale, s, e, h, H, 1, 0)
     _put(aqk_ptr, _intra_lower(aqk11, 1, 1, False) * scale, s, e, h, H, 1, 1)
-    _put(aqk_ptr, zero, s, e, h, H, 1, 2)  # upper: the O kernel reads whole rows
-    _put(aqk_ptr, zero, s, e, h, H, 1, 3)  # upper: the O kernel reads whole rows
+    _put(aqk_ptr, zero, s, e, h, H, 1, 2)
+    _put(aqk_ptr, zero, s, e, h, H, 1, 3)
     _put(aqk_ptr, _intra_lower(aqk20, 2, 0, False) * scale, s, e, h, H, 2, 0)
     _put(aqk_ptr, _intra_lower(aqk21, 2, 1, False) * scale, s, e, h, H, 2, 1)
     _put(aqk_ptr, _intra_lower(aqk22, 2, 2, False) * scale, s, e, h, H, 2, 2)
-    _put(aqk_ptr, zero, s, e, h, H, 2, 3)  # upper: the O kernel reads whole rows
+    _put(aqk_ptr, zero, s, e, h, H, 2, 3)
     _put(aqk_ptr, _intra_lower(aqk30, 3, 0, False) * scale, s, e, h, H, 3, 0)
     _put(aqk_ptr, _intra_lower(aqk31, 3, 1, False) * scale, s, e, h, H, 3, 1)
     _put(aqk_ptr, _intra_lower(aqk32, 3, 2, False) * scale, s, e, h, H, 3, 2)
