@@ -15,20 +15,22 @@ exponents ``<= 0``; the diagonal sub-block gives ``Γ_a − Γ_j <= 15 · 5 = 75
 (the bounded gate), finite in fp32, so with ``safe=False`` every causal sub-block, the diagonal one
 included, is one dense ``tl.dot``. Exponents of later (non-causal) columns are masked to 0 *before* ``exp``,
 so nothing overflows and future tokens never reach earlier outputs. With ``safe=True`` (the unbounded
-softplus gate) the diagonal sub-blocks are computed pair by pair with masked exponents ``<= 0``.
+softplus gate) the diagonal sub-blocks are computed pair by pair with masked exponents ``<= 0``. The forward
+forms each column sub-block J's factor once, anchored at its own first row ``a_J``, and moves ``e^{Γ_a − Γ_{a_J}}
+<= 1`` to the row side as a per-column vector (one exp per column instead of one per element).
 
-Forward kernels: ``_gate_cumsum`` (fused gate, Γ), ``_intra`` (A_kk, A_qk per 16-row block), ``_solve`` (T by 16×16
-blocks), ``_wu`` (W, U0 and the loop's operands), ``_fwd_state`` (per sequence, head and V block: the sequential
-chunk loop) and ``_fwd_o`` (O per chunk, in parallel, from the stored states). Backward: the autograd forward keeps
-the inputs, A_qk, T and the per-chunk states (memory linear in T: 1.0 KB per token and head at K = V = 128 with
-bf16 inputs, output included; fla-core keeps 0.5 KB and recomputes its states); the backward recomputes Γ and W, U0
-(``_wu`` turns U0 into U from the kept states: no second chunk loop; above ``STATES_LIMIT_BYTES`` of states the loop
-runs again instead), then ``_bwd_du0`` (Pᵀ dO), ``_bwd_state`` (the reverse loop carrying dS), ``_bwd_v`` (sums
-over V), ``_bwd_da`` (dA = −Tᵀ dT Tᵀ, Tᵀ dW), ``_bwd_intra`` (dq, dk, dβ and dΓ per 16-row block: dense and pairwise
-terms) and ``_bwd_dg`` (suffix sums of dΓ and the gate's chain rule). Launch settings per kernel: ``LAUNCH``. The
-q/k L2 norm runs in torch before the kernels. A single long sequence runs in slabs (``_slabs``): the chunk loop of
-a slab on a second CUDA stream beside the parallel kernels of the next slab (forward) or of the one after it
-(backward, from the last slab), the state carried between slabs in fp32: bit-identical to one pass.
+Forward kernels: ``_gate_cumsum`` (fused gate, Γ), ``_intra`` (per chunk A_qk, and T by 16×16 blocks from A_kk kept
+in registers), ``_wu`` (W, U0 and the loop's operands), ``_fwd_state`` (per sequence, head and V block: the
+sequential chunk loop) and ``_fwd_o`` (O per chunk, in parallel, from the stored states). Backward: the autograd
+forward keeps the inputs, A_qk, T and the per-chunk states (memory linear in T: 1.0 KB per token and head at K = V =
+128 with bf16 inputs, output included; fla-core keeps 0.5 KB and recomputes its states); the backward recomputes Γ
+and W, U0 (``_wu`` turns U0 into U from the kept states: no second chunk loop; above ``STATES_LIMIT_BYTES`` of
+states the loop runs again instead), then ``_bwd_du0`` (Pᵀ dO), ``_bwd_state`` (the reverse loop carrying dS),
+``_bwd_v`` (sums over V), ``_bwd_da`` (dA = −Tᵀ dT Tᵀ, Tᵀ dW), ``_bwd_intra`` (dq, dk, dβ and dΓ per 16-row block:
+dense and pairwise terms) and ``_bwd_dg`` (suffix sums of dΓ and the gate's chain rule). Launch settings per kernel:
+``LAUNCH``. The q/k L2 norm runs in torch before the kernels. A single long sequence runs in slabs (``_slabs``): the
+chunk loop of a slab on a second CUDA stream beside the parallel kernels of the next slab (forward) or of the one
+after it (backward, from the last slab), the state carried between slabs in fp32: bit-identical to one pass.
 """
 
 import contextlib
@@ -50,9 +52,11 @@ STATES_LIMIT_BYTES = 4 << 30
 # benchmarks/tune_kda_kernels.py; the forward loop takes 2 pipeline stages where shared memory allows (BK <= 128).
 LAUNCH = {
     "gate_cumsum": dict(num_warps=4),
-    "intra": dict(num_warps=4),
-    "solve": dict(num_warps=1),  # its 16x16 dots in one warp: no cross-warp layout exchange (4x8K fwd 1.79 -> 1.73 ms)
-    "wu": dict(num_warps=4, num_stages=1),
+    # one program per chunk, 16-wide head-dim slices (SLICE): 1 warp as fla-core's intra kernels (its [16, 16] dots
+    # need no cross-warp exchange); 2 stages: 4x8K / 1x32K forward 1.55 / 1.78 ms at 3, 1.49 / 1.71 at 2, 1.59 /
+    # 1.90 at 2 warps (H200, session 15)
+    "intra": dict(num_warps=1, num_stages=2),
+    "wu": dict(num_warps=4, num_stages=3),  # 3 stages with U0 on bf16 MMA: 4x8K fwd 1.72 -> 1.68 ms (session 15)
     "fwd_state": dict(num_warps=4),
     "fwd_state_o": dict(num_warps=8),  # the loop writing O (no per-chunk states kept: a 1M-token forward)
     "fwd_o": dict(num_warps=2),
@@ -80,7 +84,7 @@ LAUNCH = {
 # forward's and the backward's: a forward slab's 6 launches are less GPU work); SLAB_TOKENS forces a slab length
 # (tests: the slabbed paths under the interpreter).
 SLABS, SLAB_MIN_TOKEN_HEADS, SLAB_TOKENS = 8, dict(forward=1 << 18, backward=1 << 17), None
-SLICE = {"gate_k": 64, "wu_k": 64, "wu_v": 64, "bwd_intra_k": 128, "bwd_da_k": 64}
+SLICE = {"gate_k": 64, "intra_k": 16, "wu_k": 64, "wu_v": 64, "bwd_intra_k": 128, "bwd_da_k": 64}
 
 
 # --------------------------------------------------------------------------------------------------- forward
@@ -117,74 +121,6 @@ def _gate_cumsum_kernel(g_ptr, a_ptr, dtb_ptr, gam_ptr, cstart_ptr, cend_ptr, lo
 
 
 @triton.jit
-def _intra_kernel(q_ptr, k_ptr, gam_ptr, b_ptr, akk_ptr, aqk_ptr, cstart_ptr, cend_ptr, scale, H,
-                  K: tl.constexpr, BK: tl.constexpr, SAFE: tl.constexpr):
-    """Rows ``16 I .. 16 I + 15`` of ``A_kk`` (times β, strictly lower) and ``A_qk`` (times scale, lower) of one
-    chunk, anchored at the block's first row ``a``: ``(x_i e^{Γ_i − Γ_a}) · (k_j e^{Γ_a − Γ_j})``, one dense dot
-    over every causal column (SAFE: the diagonal block pair by pair instead)."""
-    c = tl.program_id(0) // 4  # the 4 row blocks of a chunk run side by side: its q, k, Γ are read from L2
-    h = tl.program_id(1)
-    a = tl.program_id(0) % 4 * 16
-    s = tl.load(cstart_ptr + c).to(tl.int64)
-    e = tl.load(cend_ptr + c).to(tl.int64)
-    n = e - s
-    if a >= n:  # a row block past the end of a part-filled last chunk: nothing to compute
-        return
-    ri = a + tl.arange(0, 16)
-    rc = tl.arange(0, 64)
-    vi = ri < n
-    ck = tl.arange(0, BK)
-    mk = ck < K
-    mi = vi[:, None] & mk[None, :]
-    base = s * (H * K) + h * K
-    q_ptr += base
-    k_ptr += base
-    gam_ptr += base
-    offi = ri[:, None] * (H * K) + ck[None, :]
-    ga = tl.load(gam_ptr + a * (H * K) + ck, mask=mk & (a + 0 * ck < n), other=0.0)
-    gi = tl.load(gam_ptr + offi, mask=mi, other=0.0)
-    ki = tl.load(k_ptr + offi, mask=mi, other=0.0).to(tl.float32)
-    qi = tl.load(q_ptr + offi, mask=mi, other=0.0).to(tl.float32)
-    el = tl.exp(tl.where(mi, gi - ga[None, :], 0.0))
-    if SAFE:
-        cols = rc < a
-    else:
-        cols = rc < a + 16
-    mc = (cols & (rc < n))[:, None] & mk[None, :]
-    offc = rc[:, None] * (H * K) + ck[None, :]
-    gc = tl.load(gam_ptr + offc, mask=mc, other=0.0)
-    kc = tl.load(k_ptr + offc, mask=mc, other=0.0).to(tl.float32) * tl.exp(tl.where(mc, ga[None, :] - gc, 0.0))
-    akk = tl.dot(ki * el, tl.trans(kc))
-    aqk = tl.dot(qi * el, tl.trans(kc))
-    if SAFE:
-        for jj in range(16):
-            j = a + jj
-            mj = mk & (j + 0 * ck < n)
-            gj = tl.load(gam_ptr + j * (H * K) + ck, mask=mj, other=0.0)
-            kj = tl.load(k_ptr + j * (H * K) + ck, mask=mj, other=0.0).to(tl.float32)
-            ok = ri >= j
-            kd = kj[None, :] * tl.exp(tl.where(ok[:, None] & mi, gi - gj[None, :], 0.0))
-            sel = ok[:, None] & (rc[None, :] == j)
-            akk += tl.where(sel, tl.sum(ki * kd, axis=1)[:, None], 0.0)
-            aqk += tl.where(sel, tl.sum(qi * kd, axis=1)[:, None], 0.0)
-    beta = tl.load(b_ptr + s * H + ri * H + h, mask=vi, other=0.0).to(tl.float32)
-    off64 = ri[:, None] * (H * 64) + rc[None, :]
-    akk_ptr += s * (H * 64) + h * 64
-    aqk_ptr += s * (H * 64) + h * 64
-    tl.store(akk_ptr + off64, tl.where(rc[None, :] < ri[:, None], akk, 0.0) * beta[:, None], mask=vi[:, None])
-    tl.store(aqk_ptr + off64, tl.where(rc[None, :] <= ri[:, None], aqk, 0.0) * scale, mask=vi[:, None])
-
-
-@triton.jit
-def _block(ptr, s, e, h, H, I: tl.constexpr, J: tl.constexpr):
-    """Block ``(I, J)`` (16 x 16) of a chunk's ``[64, 64]`` matrix stored as ``[TT, H, 64]``; rows past the end 0."""
-    r = tl.arange(0, 16)
-    ptr += s * (H * 64) + h * 64
-    return tl.load(ptr + (I * 16 + r)[:, None] * (H * 64) + J * 16 + r[None, :], mask=(I * 16 + r < e - s)[:, None],
-                   other=0.0)
-
-
-@triton.jit
 def _put(ptr, x, s, e, h, H, I: tl.constexpr, J: tl.constexpr):
     r = tl.arange(0, 16)
     ptr += s * (H * 64) + h * 64
@@ -213,29 +149,19 @@ def _inv_unit_lower(lo, TF32: tl.constexpr):
 
 
 @triton.jit
-def _solve_kernel(akk_ptr, tinv_ptr, cstart_ptr, cend_ptr, H, TF32: tl.constexpr):
-    """``T = (I + A_kk)^-1`` of one chunk by 16 x 16 blocks: diagonal blocks by a nilpotent product, then block
-    forward substitution ``T_IJ = −T_II Σ_{J<=M<I} A_IM T_MJ`` (``_dot``: tf32 or fp32 FMA). Every block of T is
-    written."""
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    s = tl.load(cstart_ptr + c).to(tl.int64)
-    e = tl.load(cend_ptr + c).to(tl.int64)
-    d0 = _inv_unit_lower(_block(akk_ptr, s, e, h, H, 0, 0), TF32)
-    d1 = _inv_unit_lower(_block(akk_ptr, s, e, h, H, 1, 1), TF32)
-    d2 = _inv_unit_lower(_block(akk_ptr, s, e, h, H, 2, 2), TF32)
-    d3 = _inv_unit_lower(_block(akk_ptr, s, e, h, H, 3, 3), TF32)
-    a10 = _block(akk_ptr, s, e, h, H, 1, 0)
-    a21 = _block(akk_ptr, s, e, h, H, 2, 1)
-    a32 = _block(akk_ptr, s, e, h, H, 3, 2)
+def _solve(tinv_ptr, a00, a10, a11, a20, a21, a22, a30, a31, a32, a33, s, e, h, H, TF32: tl.constexpr):
+    """``T = (I + A_kk)^-1`` of one chunk from the 16 x 16 blocks of its strictly lower ``A_kk`` (times β):
+    diagonal blocks by a nilpotent product, then block forward substitution ``T_IJ = −T_II Σ_{J<=M<I} A_IM T_MJ``
+    (``_dot``: tf32 or fp32 FMA). Every block of T is written."""
+    d0 = _inv_unit_lower(a00, TF32)
+    d1 = _inv_unit_lower(a11, TF32)
+    d2 = _inv_unit_lower(a22, TF32)
+    d3 = _inv_unit_lower(a33, TF32)
     t10 = -_dot(d1, _dot(a10, d0, TF32), TF32)
     t21 = -_dot(d2, _dot(a21, d1, TF32), TF32)
     t32 = -_dot(d3, _dot(a32, d2, TF32), TF32)
-    a20 = _block(akk_ptr, s, e, h, H, 2, 0)
-    a31 = _block(akk_ptr, s, e, h, H, 3, 1)
     t20 = -_dot(d2, _dot(a20, d0, TF32) + _dot(a21, t10, TF32), TF32)
     t31 = -_dot(d3, _dot(a31, d1, TF32) + _dot(a32, t21, TF32), TF32)
-    a30 = _block(akk_ptr, s, e, h, H, 3, 0)
     t30 = -_dot(d3, _dot(a30, d0, TF32) + _dot(a31, t10, TF32) + _dot(a32, t20, TF32), TF32)
     zero = tl.zeros((16, 16), dtype=tl.float32)
     _put(tinv_ptr, d0, s, e, h, H, 0, 0)
@@ -254,6 +180,156 @@ def _solve_kernel(akk_ptr, tinv_ptr, cstart_ptr, cend_ptr, H, TF32: tl.constexpr
     _put(tinv_ptr, t31, s, e, h, H, 3, 1)
     _put(tinv_ptr, t32, s, e, h, H, 3, 2)
     _put(tinv_ptr, d3, s, e, h, H, 3, 3)
+
+
+@triton.jit
+def _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, I: tl.constexpr, ck, mk, SAFE: tl.constexpr):
+    """Columns ck of row block I (rows ``16 I .. 16 I + 15``) of a chunk of n rows, a = the block's first row: the
+    row operands ``q_i e^{Γ_i − Γ_a}``, ``k_i e^{Γ_i − Γ_a}`` (factors <= 1), the column operand ``k_i e^{Γ_a − Γ_i}``
+    (>= 1; <= e^{75} with the bounded gate; SAFE: not formed, k as loaded), Γ_a, and q, k, Γ as loaded."""
+    ri = I * 16 + tl.arange(0, 16)
+    mi = (ri < n)[:, None] & mk[None, :]
+    off = ri[:, None] * HK + ck[None, :]
+    ga = tl.load(gam_ptr + tl.minimum(I * 16, n - 1) * HK + ck, mask=mk, other=0.0)
+    gi = tl.load(gam_ptr + off, mask=mi, other=0.0)
+    ki = tl.load(k_ptr + off, mask=mi, other=0.0).to(tl.float32)
+    qi = tl.load(q_ptr + off, mask=mi, other=0.0).to(tl.float32)
+    el = tl.exp(tl.where(mi, gi - ga[None, :], 0.0))  # a masked row's Γ = 0 would give e^{−Γ_a}: overflow
+    if SAFE:
+        kc = ki
+    else:
+        kc = ki * tl.exp(ga[None, :] - gi)  # a masked row has k = 0 and e^{Γ_a} <= 1: no `where` needed
+    return qi * el, ki * el, kc, ga, qi, ki, gi
+
+
+@triton.jit
+def _intra_diag(akk, aqk, k_ptr, gam_ptr, qr, kr, kc, qi, ki, gi, n, HK, I: tl.constexpr, ck, mk, SAFE: tl.constexpr):
+    """Adds columns ck's share of diagonal block (I, I): one dense dot each (both operands anchored at the block's
+    first row), or (SAFE, any gate) pair by pair (``e^{Γ_i − Γ_j}`` for ``j <= i`` only)."""
+    if SAFE:
+        ri = I * 16 + tl.arange(0, 16)
+        mi = (ri < n)[:, None] & mk[None, :]
+        r16 = tl.arange(0, 16)
+        for jj in range(16):
+            j = I * 16 + jj
+            mj = mk & (j + 0 * ck < n)
+            gj = tl.load(gam_ptr + j * HK + ck, mask=mj, other=0.0)
+            kj = tl.load(k_ptr + j * HK + ck, mask=mj, other=0.0).to(tl.float32)
+            ok = ri >= j
+            kd = kj[None, :] * tl.exp(tl.where(ok[:, None] & mi, gi - gj[None, :], 0.0))
+            sel = ok[:, None] & (r16[None, :] == jj)
+            akk += tl.where(sel, tl.sum(ki * kd, axis=1)[:, None], 0.0)
+            aqk += tl.where(sel, tl.sum(qi * kd, axis=1)[:, None], 0.0)
+        return akk, aqk
+    kct = tl.trans(kc)
+    return tl.dot(kr, kct, akk), tl.dot(qr, kct, aqk)
+
+
+@triton.jit
+def _intra_pair(akk, aqk, qr, kr, ga, kc, gaj, kj, gj, SAFE: tl.constexpr):
+    """Adds columns ck's share of block (I, J < I): the row operands (anchored at a, row block I's first row) with
+    column block J anchored at a too — from J's own column operand (anchored at its first row a_J) times the
+    per-column ``e^{Γ_a − Γ_{a_J}}`` (<= 1) on the row side: one exp per column, not per element (a factor that
+    underflows stands for less than e^{−87 + 75} of the block's scale); or with any gate (SAFE) ``k_j e^{Γ_a − Γ_j}``
+    anew (<= 1). Both anchors are rows <= i: row i's entries depend on no later token, bit for bit."""
+    if SAFE:
+        kc = kj * tl.exp(ga[None, :] - gj)
+    else:
+        x = tl.exp(ga - gaj)[None, :]
+        qr = qr * x
+        kr = kr * x
+    kct = tl.trans(kc)
+    return tl.dot(kr, kct, akk), tl.dot(qr, kct, aqk)
+
+
+@triton.jit
+def _intra_lower(x, I: tl.constexpr, J: tl.constexpr, STRICT: tl.constexpr):
+    """Block (I, J) of a lower (STRICT: strictly lower) ``[64, 64]`` matrix: the diagonal block masked."""
+    if I == J:
+        r = tl.arange(0, 16)
+        if STRICT:
+            x = tl.where(r[None, :] < r[:, None], x, 0.0)
+        else:
+            x = tl.where(r[None, :] <= r[:, None], x, 0.0)
+    return x
+
+
+@triton.jit
+def _intra_akk(akk, b_ptr, s, e, H, I: tl.constexpr, J: tl.constexpr):
+    """Block (I, J) of ``A_kk``: strictly lower, times β of its rows."""
+    r = tl.arange(0, 16)
+    beta = tl.load(b_ptr + (I * 16 + r) * H, mask=I * 16 + r < e - s, other=0.0).to(tl.float32)
+    return _intra_lower(akk, I, J, True) * beta[:, None]
+
+
+@triton.jit
+def _intra_kernel(q_ptr, k_ptr, gam_ptr, b_ptr, aqk_ptr, tinv_ptr, cstart_ptr, cend_ptr, scale, H,
+                  K: tl.constexpr, BK: tl.constexpr, SAFE: tl.constexpr, TF32: tl.constexpr):
+    """``A_qk`` (times scale, lower; its upper blocks 0) and ``T = (I + A_kk)^-1`` (A_kk times β, strictly lower) of
+    one chunk by 16 x 16 blocks (I, J <= I): ``(x_i e^{Γ_i − Γ_a}) · (k_j e^{Γ_a − Γ_j})`` with a the first row of
+    row block I, summed over head-dim slices of BK in 20 accumulators. In each slice every row block is loaded and
+    exponentiated once, and its column operand serves the blocks below it (the column factors once per chunk, not
+    once per row block: 4x8K `_intra` + `_solve` 628 -> ~450 µs, H200). A_kk goes from the accumulators into the
+    solve, never through memory. SAFE: the diagonal blocks pair by pair. Blocks past the end of a part-filled last
+    chunk compute on masked (zero) rows and store nothing."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.load(cstart_ptr + c).to(tl.int64)
+    e = tl.load(cend_ptr + c).to(tl.int64)
+    n = e - s
+    HK = H * K
+    base = s * HK + h * K
+    q_ptr += base
+    k_ptr += base
+    gam_ptr += base
+    b_ptr += s * H + h
+    akk00 = tl.zeros((16, 16), dtype=tl.float32)
+    akk10, akk11, akk20, akk21, akk22, akk30, akk31, akk32, akk33 = (akk00, akk00, akk00, akk00, akk00, akk00, akk00,
+                                                                      akk00, akk00)
+    aqk00, aqk10, aqk11, aqk20, aqk21, aqk22, aqk30, aqk31, aqk32, aqk33 = (akk00, akk00, akk00, akk00, akk00, akk00,
+                                                                            akk00, akk00, akk00, akk00)
+    for c0 in range(0, K, BK):
+        ck = c0 + tl.arange(0, BK)
+        mk = ck < K
+        qr0, kr0, kc0, ga0, q0, k0, g0 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 0, ck, mk, SAFE)
+        akk00, aqk00 = _intra_diag(akk00, aqk00, k_ptr, gam_ptr, qr0, kr0, kc0, q0, k0, g0, n, HK, 0, ck, mk, SAFE)
+        qr1, kr1, kc1, ga1, q1, k1, g1 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 1, ck, mk, SAFE)
+        akk10, aqk10 = _intra_pair(akk10, aqk10, qr1, kr1, ga1, kc0, ga0, k0, g0, SAFE)
+        akk11, aqk11 = _intra_diag(akk11, aqk11, k_ptr, gam_ptr, qr1, kr1, kc1, q1, k1, g1, n, HK, 1, ck, mk, SAFE)
+        qr2, kr2, kc2, ga2, q2, k2, g2 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 2, ck, mk, SAFE)
+        akk20, aqk20 = _intra_pair(akk20, aqk20, qr2, kr2, ga2, kc0, ga0, k0, g0, SAFE)
+        akk21, aqk21 = _intra_pair(akk21, aqk21, qr2, kr2, ga2, kc1, ga1, k1, g1, SAFE)
+        akk22, aqk22 = _intra_diag(akk22, aqk22, k_ptr, gam_ptr, qr2, kr2, kc2, q2, k2, g2, n, HK, 2, ck, mk, SAFE)
+        qr3, kr3, kc3, ga3, q3, k3, g3 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 3, ck, mk, SAFE)
+        akk30, aqk30 = _intra_pair(akk30, aqk30, qr3, kr3, ga3, kc0, ga0, k0, g0, SAFE)
+        akk31, aqk31 = _intra_pair(akk31, aqk31, qr3, kr3, ga3, kc1, ga1, k1, g1, SAFE)
+        akk32, aqk32 = _intra_pair(akk32, aqk32, qr3, kr3, ga3, kc2, ga2, k2, g2, SAFE)
+        akk33, aqk33 = _intra_diag(akk33, aqk33, k_ptr, gam_ptr, qr3, kr3, kc3, q3, k3, g3, n, HK, 3, ck, mk, SAFE)
+    zero = tl.zeros((16, 16), dtype=tl.float32)  # A_qk's upper blocks: the O kernel reads whole rows
+    _put(aqk_ptr, _intra_lower(aqk00, 0, 0, False) * scale, s, e, h, H, 0, 0)
+    _put(aqk_ptr, zero, s, e, h, H, 0, 1)
+    _put(aqk_ptr, zero, s, e, h, H, 0, 2)
+    _put(aqk_ptr, zero, s, e, h, H, 0, 3)
+    _put(aqk_ptr, _intra_lower(aqk10, 1, 0, False) * scale, s, e, h, H, 1, 0)
+    _put(aqk_ptr, _intra_lower(aqk11, 1, 1, False) * scale, s, e, h, H, 1, 1)
+    _put(aqk_ptr, zero, s, e, h, H, 1, 2)
+    _put(aqk_ptr, zero, s, e, h, H, 1, 3)
+    _put(aqk_ptr, _intra_lower(aqk20, 2, 0, False) * scale, s, e, h, H, 2, 0)
+    _put(aqk_ptr, _intra_lower(aqk21, 2, 1, False) * scale, s, e, h, H, 2, 1)
+    _put(aqk_ptr, _intra_lower(aqk22, 2, 2, False) * scale, s, e, h, H, 2, 2)
+    _put(aqk_ptr, zero, s, e, h, H, 2, 3)
+    _put(aqk_ptr, _intra_lower(aqk30, 3, 0, False) * scale, s, e, h, H, 3, 0)
+    _put(aqk_ptr, _intra_lower(aqk31, 3, 1, False) * scale, s, e, h, H, 3, 1)
+    _put(aqk_ptr, _intra_lower(aqk32, 3, 2, False) * scale, s, e, h, H, 3, 2)
+    _put(aqk_ptr, _intra_lower(aqk33, 3, 3, False) * scale, s, e, h, H, 3, 3)
+    # A_kk (times β) straight into the solve: it never goes through memory
+    _solve(tinv_ptr, _intra_akk(akk00, b_ptr, s, e, H, 0, 0),
+           _intra_akk(akk10, b_ptr, s, e, H, 1, 0), _intra_akk(akk11, b_ptr, s, e, H, 1, 1),
+           _intra_akk(akk20, b_ptr, s, e, H, 2, 0), _intra_akk(akk21, b_ptr, s, e, H, 2, 1),
+           _intra_akk(akk22, b_ptr, s, e, H, 2, 2), _intra_akk(akk30, b_ptr, s, e, H, 3, 0),
+           _intra_akk(akk31, b_ptr, s, e, H, 3, 1), _intra_akk(akk32, b_ptr, s, e, H, 3, 2),
+           _intra_akk(akk33, b_ptr, s, e, H, 3, 3),
+           s, e, h, H, TF32)
 
 
 @triton.jit
@@ -280,7 +356,6 @@ def _wu_kernel(q_ptr, k_ptr, v_ptr, b_ptr, gam_ptr, tinv_ptr, w_ptr, u_ptr, qg_p
     kd_ptr += base
     tinv16 = tl.load(tinv_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None],
                      other=0.0)  # T as stored: bf16 with bf16 inputs
-    tinv = tinv16.to(tl.float32)
     beta = tl.load(b_ptr + s * H + r * H + h, mask=rv, other=0.0).to(tl.float32)
     for k0 in range(0, K, BK):
         ck = k0 + tl.arange(0, BK)
@@ -306,7 +381,10 @@ def _wu_kernel(q_ptr, k_ptr, v_ptr, b_ptr, gam_ptr, tinv_ptr, w_ptr, u_ptr, qg_p
         offv = s * (H * V) + h * V + r[:, None] * (H * V) + cv[None, :]
         mv2 = rv[:, None] & mv[None, :]
         vv = tl.load(v_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
-        u = tl.dot(tinv, vv * beta[:, None])
+        if U_FROM_STATES:  # the backward: U as the forward loop had it, from T widened to fp32
+            u = tl.dot(tinv16.to(tl.float32), vv * beta[:, None])
+        else:  # the forward: T (βV) on 16-bit tensor cores, as fla-core
+            u = _lp_dot(tinv16, vv * beta[:, None], LP)
         if U_FROM_STATES:
             for k0 in range(0, K, BK):
                 ck = k0 + tl.arange(0, BK)
@@ -911,12 +989,8 @@ def _prep(q, k, v, g, beta, gate, scale, safe, tables, aqk, tinv, w, kd, u0, qg,
     _gate_cumsum_kernel[(NC, H, triton.cdiv(K, BKg))](g, a, dtb, gam, cstart, cend, lb, H, K, BKg, GATE=mode,
                                                       **LAUNCH["gate_cumsum"])
     if intra:
-        akk = torch.empty(TT, H, 64, device=q.device, dtype=torch.float32)
-        _intra_kernel[(NC * 4, H)](q, k, gam, beta, akk, aqk, cstart, cend, scale, H, K, BK, SAFE=safe,
-                                  **LAUNCH["intra"])
-        _solve_kernel[(NC, H)](akk, tinv, cstart, cend, H, TF32=_lp(q) and tinv.element_size() == 2,
-                               **LAUNCH["solve"])
-        del akk
+        _intra_kernel[(NC, H)](q, k, gam, beta, aqk, tinv, cstart, cend, scale, H, K, min(BK, SLICE["intra_k"]),
+                               SAFE=safe, TF32=_lp(q) and tinv.element_size() == 2, **LAUNCH["intra"])
     _wu_kernel[(NC, H)](q, k, v, beta, gam, tinv, w, u0, qg if qg is not None else w, kd, dl,
                         hs_kept if hs_kept is not None else dl, cstart, cend, scale, H, K, V, min(BK, SLICE["wu_k"]),
                         min(BVf, SLICE["wu_v"]), STORE_QG=qg is not None, U_FROM_STATES=hs_kept is not None,
