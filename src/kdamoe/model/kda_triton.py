@@ -1065,8 +1065,9 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     # with U by the loop) for the backward: their rounding is what reaches the output and gradients
     # (notes/kda_kernel_notes.md). The output's own forward stores U in 16 bits: 4-5 % faster, o's error 2.9e-3 ->
     # 3.6e-3 (fla-core: 4.1e-3; H200, 4x8K); in the backward they cost more than they saved. The forward loop and
-    # `_wu`'s W multiply on 16-bit tensor cores (on a GPU); U0 = T (βV) in 16 bits would cost o 3.6 -> 3.9e-3 for
-    # 0.5 % (session 11), so it and the other dots widen their operands to fp32 (tf32).
+    # `_wu`'s W multiply on 16-bit tensor cores (on a GPU), and so does the forward's U0 = T (βV) since session 15
+    # (o 3.8e-3 -> 4.1e-3, fla-core's; with `_wu` at 3 stages ~2 % of the forward); the other dots widen their
+    # operands to fp32 (tf32).
     lp = dict(device=q.device, dtype=q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32)
     w, kd = torch.empty(TT, H, K, **lp), torch.empty(TT, H, K, **lp)
     u0 = torch.empty(TT, H, V, **(f32 if for_backward else lp))
