@@ -1080,7 +1080,7 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     out = dict(aqk=aqk, w=w, qg=qg, kd=kd, dl=dl)
     keep_tinv = for_backward or keep_prep or prep is not None
     if slabs is not None and keep_states and hs_kept is None:
-        # slabs: Γ, A_kk (and T unless kept) per slab; the loop of slab j beside the parallel kernels of slab j+1
+        # slabs: Γ (and T unless kept) per slab; the loop of slab j beside the parallel kernels of slab j+1
         gam = torch.empty(TT, H, K, **f32) if for_backward else None
         if prep is None and keep_tinv:
             tinv = torch.empty(TT, H, 64, **t16)
