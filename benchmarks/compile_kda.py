@@ -11,7 +11,11 @@ device has (3.6 on our H200): a different triton compiles differently.
 
     pip install --target /tmp/tr36 --no-deps triton==3.6.0
     PYTHONPATH=/tmp/tr36:src python benchmarks/compile_kda.py [--dtype bf16] [--dim 128] [--heads 16] [--few] \
-        [--launch '{"fwd_o": {"num_warps": 4}}'] [--slice '{"wu_k": 32}']
+        [--launch '{"fwd_o": {"num_warps": 4}}'] [--slice '{"wu_k": 32}'] [--sass _intra_kernel]
+
+``--sass KERNEL`` also prints that kernel's SASS opcode counts (static: an instruction in a loop counts once), by
+group — tensor-core MMAs, shared-memory traffic, barriers and shuffles, MUFU (exp, reciprocal), global loads and
+stores, local memory (spills) — to compare two versions of a kernel instruction by instruction without a GPU.
 
 Checked against Nsight Compute on the H200 (session 10): `_fwd_state` 154 registers, 81,920 B shared; `_bwd_state`
 36,864 B — the same as here.
@@ -74,6 +78,37 @@ def resources(compiled):
     return int(fields["REG"]), int(fields["STACK"])
 
 
+SASS_GROUPS = {"mma": ("HMMA", "HGMMA"), "shared": ("LDS", "STS", "LDSM"), "sync": ("BAR", "SHFL"),
+               "mufu": ("MUFU",), "global": ("LDG", "STG", "LDGSTS"), "local (spill)": ("LDL", "STL")}
+
+
+def sass_counts(compiled):
+    """{opcode: count} of the cubin's SASS (nvdisasm, shipped with triton), opcodes without their modifiers."""
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        out = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True).stdout
+    counts = {}
+    for line in out.splitlines():
+        if "/*" not in line or ";" not in line:
+            continue
+        words = line.split("*/", 1)[-1].strip().rstrip(";").split()
+        if words and words[0].startswith("@"):  # a predicate
+            words = words[1:]
+        if words:
+            op = words[0].split(".")[0]
+            counts[op] = counts.get(op, 0) + 1
+    return counts
+
+
+def print_sass(name, counts):
+    total = sum(counts.values())
+    groups = ", ".join(f"{g} {sum(counts.get(op, 0) for op in ops)}" for g, ops in SASS_GROUPS.items())
+    print(f"  {name} SASS: {total} instructions; {groups}")
+    print("  most frequent: " + ", ".join(f"{op} {n}" for op, n in sorted(counts.items(), key=lambda x: -x[1])[:12]))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
@@ -84,6 +119,7 @@ def main():
     ap.add_argument("--launch", default="{}", help='JSON overrides of kda_triton.LAUNCH, e.g. \'{"fwd_o": '
                     '{"num_warps": 4}}\'')
     ap.add_argument("--slice", default="{}", help="JSON overrides of kda_triton.SLICE")
+    ap.add_argument("--sass", metavar="KERNEL", help="also print this kernel's SASS opcode counts")
     args = ap.parse_args()
     launch, slices = json.loads(args.launch), json.loads(args.slice)
     for given, known, flag in ((launch, kda_triton.LAUNCH, "--launch"), (slices, kda_triton.SLICE, "--slice")):
@@ -125,6 +161,8 @@ def main():
         regs, stack = resources(compiled)
         print(f"{fn.__name__:22s} {options.get('num_warps', 4):5d} {options.get('num_stages', 3):6d} {regs:9d}"
               f" {stack:7d} {compiled.metadata.shared:8d}")
+        if fn.__name__ == args.sass:
+            print_sass(fn.__name__, sass_counts(compiled))
 
 
 if __name__ == "__main__":
