@@ -409,7 +409,7 @@ def test_aux_loss_switch_style():
     assert block.router.weight.grad.abs().sum() > 0
     block.eval()
     assert block(x)[2] is None
-    assert KDAMoESparseMoeBlock(make_config()).train()(x)[2] is None  # only with router_balancing="aux_loss"
+    assert init_(KDAMoESparseMoeBlock(make_config())).train()(x)[2] is None  # only with router_balancing="aux_loss"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
