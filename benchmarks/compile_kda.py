@@ -67,13 +67,18 @@ def specialise(fn, args, kwargs):
     return sig, consts, attrs, options
 
 
-def resources(compiled):
-    """(registers, stack bytes) from the cubin, by the cuobjdump that ships with triton."""
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+def cubin_tool(compiled, tool, flag):
+    """stdout of ``tool flag cubin`` for a compiled kernel, by the CUDA tool that ships with triton."""
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([path, flag, f.name], capture_output=True, text=True).stdout
+
+
+def resources(compiled):
+    """(registers, stack bytes) from the cubin (cuobjdump)."""
+    out = cubin_tool(compiled, "cuobjdump", "-res-usage")
     fields = dict(kv.split(":") for line in out.splitlines() if "REG:" in line for kv in line.split() if ":" in kv)
     return int(fields["REG"]), int(fields["STACK"])
 
@@ -83,12 +88,8 @@ SASS_GROUPS = {"mma": ("HMMA", "HGMMA"), "shared": ("LDS", "STS", "LDSM"), "sync
 
 
 def sass_counts(compiled):
-    """{opcode: count} of the cubin's SASS (nvdisasm, shipped with triton), opcodes without their modifiers."""
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        out = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True).stdout
+    """{opcode: count} of the cubin's SASS (nvdisasm), opcodes without their modifiers."""
+    out = cubin_tool(compiled, "nvdisasm", "-c")
     counts = {}
     for line in out.splitlines():
         if "/*" not in line or ";" not in line:
