@@ -160,10 +160,10 @@ def test_forward_loop_v_blocks(monkeypatch, keep_states, bv):
 @kernel_test
 @pytest.mark.parametrize("gate", ["bounded", "softplus"])
 def test_head_dims_over_several_slices(gate):
-    """Head dims that ``_wu_kernel`` and ``_gate_cumsum_kernel`` cover in several column slices, the last one
-    part-masked (``SLICE``: K = 96 and V = 80 are two slices of 64 each), forward and gradients. On a GPU also fp32
-    tiles at BK = 128 in a reverse loop with fewer programs than SMs (its 2-stage prefetch once overflowed shared
-    memory there)."""
+    """Head dims covered in several column slices (``SLICE``): K = 96 and V = 80 are two slices of 64 in
+    ``_wu_kernel`` and ``_gate_cumsum_kernel``, the second part-masked, and six of 16 in ``_intra_kernel``; forward
+    and gradients. On a GPU also fp32 tiles at BK = 128 in a reverse loop with fewer programs than SMs (its 2-stage
+    prefetch once overflowed shared memory there)."""
     xs = [x.clone().requires_grad_() for x in make_inputs(1, 70, 1, 96, 80, gate)]
     h0 = torch.randn(1, 1, 96, 80, device=DEV, requires_grad=True)
     o, ht = kda_triton.chunk_kda_triton(*xs, initial_state=h0, output_final_state=True, gate=gate)

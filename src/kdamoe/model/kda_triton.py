@@ -243,23 +243,19 @@ def _intra_pair(akk, aqk, qr, kr, ga, kc, gaj, kj, gj, SAFE: tl.constexpr):
 
 
 @triton.jit
-def _intra_lower(x, I: tl.constexpr, J: tl.constexpr, STRICT: tl.constexpr):
-    """Block (I, J) of a lower (STRICT: strictly lower) ``[64, 64]`` matrix: the diagonal block masked."""
-    if I == J:
-        r = tl.arange(0, 16)
-        if STRICT:
-            x = tl.where(r[None, :] < r[:, None], x, 0.0)
-        else:
-            x = tl.where(r[None, :] <= r[:, None], x, 0.0)
-    return x
+def _tril16(x, STRICT: tl.constexpr):
+    """A diagonal 16 x 16 block of a lower (STRICT: strictly lower) matrix: the entries above (on) its diagonal 0."""
+    r = tl.arange(0, 16)
+    if STRICT:
+        return tl.where(r[None, :] < r[:, None], x, 0.0)
+    return tl.where(r[None, :] <= r[:, None], x, 0.0)
 
 
 @triton.jit
-def _intra_akk(akk, b_ptr, s, e, H, I: tl.constexpr, J: tl.constexpr):
-    """Block (I, J) of ``A_kk``: strictly lower, times β of its rows."""
-    r = tl.arange(0, 16)
-    beta = tl.load(b_ptr + (I * 16 + r) * H, mask=I * 16 + r < e - s, other=0.0).to(tl.float32)
-    return _intra_lower(akk, I, J, True) * beta[:, None]
+def _intra_beta(b_ptr, n, H, I: tl.constexpr):
+    """β of row block I's rows (0 past the chunk's end) as a column, to scale its A_kk blocks' rows."""
+    r = I * 16 + tl.arange(0, 16)
+    return tl.load(b_ptr + r * H, mask=r < n, other=0.0).to(tl.float32)[:, None]
 
 
 @triton.jit
@@ -306,30 +302,28 @@ def _intra_kernel(q_ptr, k_ptr, gam_ptr, b_ptr, aqk_ptr, tinv_ptr, cstart_ptr, c
         akk32, aqk32 = _intra_pair(akk32, aqk32, qr3, kr3, ga3, kc2, ga2, k2, g2, SAFE)
         akk33, aqk33 = _intra_diag(akk33, aqk33, k_ptr, gam_ptr, qr3, kr3, kc3, q3, k3, g3, n, HK, 3, ck, mk, SAFE)
     zero = tl.zeros((16, 16), dtype=tl.float32)  # A_qk's upper blocks: the O kernel reads whole rows
-    _put(aqk_ptr, _intra_lower(aqk00, 0, 0, False) * scale, s, e, h, H, 0, 0)
+    _put(aqk_ptr, _tril16(aqk00, False) * scale, s, e, h, H, 0, 0)
     _put(aqk_ptr, zero, s, e, h, H, 0, 1)
     _put(aqk_ptr, zero, s, e, h, H, 0, 2)
     _put(aqk_ptr, zero, s, e, h, H, 0, 3)
-    _put(aqk_ptr, _intra_lower(aqk10, 1, 0, False) * scale, s, e, h, H, 1, 0)
-    _put(aqk_ptr, _intra_lower(aqk11, 1, 1, False) * scale, s, e, h, H, 1, 1)
+    _put(aqk_ptr, aqk10 * scale, s, e, h, H, 1, 0)
+    _put(aqk_ptr, _tril16(aqk11, False) * scale, s, e, h, H, 1, 1)
     _put(aqk_ptr, zero, s, e, h, H, 1, 2)
     _put(aqk_ptr, zero, s, e, h, H, 1, 3)
-    _put(aqk_ptr, _intra_lower(aqk20, 2, 0, False) * scale, s, e, h, H, 2, 0)
-    _put(aqk_ptr, _intra_lower(aqk21, 2, 1, False) * scale, s, e, h, H, 2, 1)
-    _put(aqk_ptr, _intra_lower(aqk22, 2, 2, False) * scale, s, e, h, H, 2, 2)
+    _put(aqk_ptr, aqk20 * scale, s, e, h, H, 2, 0)
+    _put(aqk_ptr, aqk21 * scale, s, e, h, H, 2, 1)
+    _put(aqk_ptr, _tril16(aqk22, False) * scale, s, e, h, H, 2, 2)
     _put(aqk_ptr, zero, s, e, h, H, 2, 3)
-    _put(aqk_ptr, _intra_lower(aqk30, 3, 0, False) * scale, s, e, h, H, 3, 0)
-    _put(aqk_ptr, _intra_lower(aqk31, 3, 1, False) * scale, s, e, h, H, 3, 1)
-    _put(aqk_ptr, _intra_lower(aqk32, 3, 2, False) * scale, s, e, h, H, 3, 2)
-    _put(aqk_ptr, _intra_lower(aqk33, 3, 3, False) * scale, s, e, h, H, 3, 3)
-    # A_kk (times β) straight into the solve: it never goes through memory
-    _solve(tinv_ptr, _intra_akk(akk00, b_ptr, s, e, H, 0, 0),
-           _intra_akk(akk10, b_ptr, s, e, H, 1, 0), _intra_akk(akk11, b_ptr, s, e, H, 1, 1),
-           _intra_akk(akk20, b_ptr, s, e, H, 2, 0), _intra_akk(akk21, b_ptr, s, e, H, 2, 1),
-           _intra_akk(akk22, b_ptr, s, e, H, 2, 2), _intra_akk(akk30, b_ptr, s, e, H, 3, 0),
-           _intra_akk(akk31, b_ptr, s, e, H, 3, 1), _intra_akk(akk32, b_ptr, s, e, H, 3, 2),
-           _intra_akk(akk33, b_ptr, s, e, H, 3, 3),
-           s, e, h, H, TF32)
+    _put(aqk_ptr, aqk30 * scale, s, e, h, H, 3, 0)
+    _put(aqk_ptr, aqk31 * scale, s, e, h, H, 3, 1)
+    _put(aqk_ptr, aqk32 * scale, s, e, h, H, 3, 2)
+    _put(aqk_ptr, _tril16(aqk33, False) * scale, s, e, h, H, 3, 3)
+    # A_kk (strictly lower, times β) straight into the solve: it never goes through memory
+    b0, b1, b2, b3 = (_intra_beta(b_ptr, n, H, 0), _intra_beta(b_ptr, n, H, 1), _intra_beta(b_ptr, n, H, 2),
+                      _intra_beta(b_ptr, n, H, 3))
+    _solve(tinv_ptr, _tril16(akk00, True) * b0, akk10 * b1, _tril16(akk11, True) * b1,
+           akk20 * b2, akk21 * b2, _tril16(akk22, True) * b2,
+           akk30 * b3, akk31 * b3, akk32 * b3, _tril16(akk33, True) * b3, s, e, h, H, TF32)
 
 
 @triton.jit
