@@ -228,16 +228,15 @@ def _intra_diag(akk, aqk, k_ptr, gam_ptr, qr, kr, kc, qi, ki, gi, n, HK, I: tl.c
 @triton.jit
 def _intra_pair(akk, aqk, qr, kr, ga, kc, gaj, kj, gj, SAFE: tl.constexpr):
     """Adds columns ck's share of block (I, J < I): the row operands (anchored at a, row block I's first row) with
-    column block J anchored at a too — from J's own column operand (anchored at its first row a_J) times the
-    per-column ``e^{Γ_a − Γ_{a_J}}`` (<= 1) on the row side: one exp per column, not per element (a factor that
-    underflows stands for less than e^{−87 + 75} of the block's scale); or with any gate (SAFE) ``k_j e^{Γ_a − Γ_j}``
-    anew (<= 1). Both anchors are rows <= i: row i's entries depend on no later token, bit for bit."""
+    column block J anchored at a too — J's own column operand (anchored at its first row a_J) times the per-column
+    ``e^{Γ_a − Γ_{a_J}}`` (<= 1): one exp per column, not per element (a factor that underflows stands for less than
+    e^{−87 + 75} of the block's scale), and one operand scaled per block, not two (the row operands, as loaded, serve
+    every block of the row); or with any gate (SAFE) ``k_j e^{Γ_a − Γ_j}`` anew (<= 1). Both anchors are rows <= i:
+    row i's entries depend on no later token, bit for bit."""
     if SAFE:
         kc = kj * tl.exp(ga[None, :] - gj)
     else:
-        x = tl.exp(ga - gaj)[None, :]
-        qr = qr * x
-        kr = kr * x
+        kc = kc * tl.exp(ga - gaj)[None, :]
     kct = tl.trans(kc)
     return tl.dot(kr, kct, akk), tl.dot(qr, kct, aqk)
 
