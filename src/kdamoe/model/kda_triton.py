@@ -491,11 +491,12 @@ def _fwd_o_kernel(qg_ptr, aqk_ptr, hs_ptr, us_ptr, o_ptr, cstart_ptr, cend_ptr, 
     qg = tl.load(qg_ptr + offk, mask=m2, other=0.0)
     s0 = tl.load(hs_ptr + (c * H + h).to(tl.int64) * (K * V) + ck[:, None] * V + cv[None, :],
                  mask=mk[:, None] & mv[None, :], other=0.0)
-    aqk = tl.load(aqk_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None],
-                  other=0.0).to(tl.float32)
+    aqk = tl.load(aqk_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None], other=0.0)
     offv = s * (H * V) + h * V + r[:, None] * (H * V) + cv[None, :]
-    u = tl.load(us_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
-    o = _lp_dot(qg, s0, LP) + tl.dot(aqk, u)  # Qg S0 in 16 bits costs no measurable error (notes); P U in tf32
+    u = tl.load(us_ptr + offv, mask=mv2, other=0.0)
+    # Qg S0 in 16 bits costs no measurable error (notes); P U as stored (both bf16 with bf16 inputs: products exact,
+    # as in tf32)
+    o = _lp_dot(qg, s0, LP) + _lp_dot(aqk, u, LP)
     tl.store(o_ptr + offv, o.to(o_ptr.dtype.element_ty), mask=mv2)
 
 
