@@ -16,8 +16,8 @@ exponents ``<= 0``; the diagonal sub-block gives ``Γ_a − Γ_j <= 15 · 5 = 75
 included, is one dense ``tl.dot``. Exponents of later (non-causal) columns are masked to 0 *before* ``exp``,
 so nothing overflows and future tokens never reach earlier outputs. With ``safe=True`` (the unbounded
 softplus gate) the diagonal sub-blocks are computed pair by pair with masked exponents ``<= 0``. The forward
-forms each column sub-block J's factor once, anchored at its own first row ``a_J``, and moves ``e^{Γ_a − Γ_{a_J}}
-<= 1`` to the row side as a per-column vector (one exp per column instead of one per element).
+forms each column sub-block J's factor once, anchored at its own first row ``a_J``, and re-anchors it at ``a`` for
+each block below by the per-column ``e^{Γ_a − Γ_{a_J}} <= 1`` (one exp per column instead of one per element).
 
 Forward kernels: ``_gate_cumsum`` (fused gate, Γ), ``_intra`` (per chunk A_qk, and T by 16×16 blocks from A_kk kept
 in registers), ``_wu`` (W, U0 and the loop's operands), ``_fwd_state`` (per sequence, head and V block: the
@@ -264,9 +264,10 @@ def _intra_kernel(q_ptr, k_ptr, gam_ptr, b_ptr, aqk_ptr, tinv_ptr, cstart_ptr, c
     one chunk by 16 x 16 blocks (I, J <= I): ``(x_i e^{Γ_i − Γ_a}) · (k_j e^{Γ_a − Γ_j})`` with a the first row of
     row block I, summed over head-dim slices of BK in 20 accumulators. In each slice every row block is loaded and
     exponentiated once, and its column operand serves the blocks below it (the column factors once per chunk, not
-    once per row block: 4x8K `_intra` + `_solve` 538 + 90 -> 514 µs at 3 stages, ~450 at 2; H200). A_kk goes from
-    the accumulators into the solve, never through memory. SAFE: the diagonal blocks pair by pair. Blocks past the
-    end of a part-filled last chunk compute on masked (zero) rows and store nothing."""
+    once per row block: 4x8K `_intra` + `_solve` 538 + 90 -> 514 µs at 3 stages, ~450 at 2; re-anchoring the
+    column operand per block instead of both row operands: ~380; H200). A_kk goes from the accumulators into the
+    solve, never through memory. SAFE: the diagonal blocks pair by pair. Blocks past the end of a part-filled last
+    chunk compute on masked (zero) rows and store nothing."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.load(cstart_ptr + c).to(tl.int64)
