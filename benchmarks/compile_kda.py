@@ -11,18 +11,23 @@ device has (3.6 on our H200): a different triton compiles differently.
 
     pip install --target /tmp/tr36 --no-deps triton==3.6.0
     PYTHONPATH=/tmp/tr36:src python benchmarks/compile_kda.py [--dtype bf16] [--dim 128] [--heads 16] [--few] \
-        [--launch '{"fwd_o": {"num_warps": 4}}'] [--slice '{"wu_k": 32}'] [--sass _intra_kernel]
+        [--launch '{"fwd_o": {"num_warps": 4}}'] [--slice '{"wu_k": 32}'] [--sass _intra_kernel [--lines 20]]
 
 ``--sass KERNEL`` also prints that kernel's SASS opcode counts (static: an instruction in a loop counts once), by
 group — tensor-core MMAs, shared-memory traffic, barriers and shuffles, MUFU (exp, reciprocal), global loads and
-stores, local memory (spills) — to compare two versions of a kernel instruction by instruction without a GPU.
+stores, local memory (spills) — to compare two versions of a kernel instruction by instruction without a GPU;
+``--lines N`` the N source lines that compile to the most instructions (a loop body's lines run once per iteration,
+so weigh them by its trip count: in `_intra_kernel` the slice loop runs K/16 times, the solve once).
 
 Checked against Nsight Compute on the H200 (session 10): `_fwd_state` 154 registers, 81,920 B shared; `_bwd_state`
 36,864 B — the same as here.
 """
 import argparse
+import collections
+import inspect
 import json
 import os
+import re
 import subprocess
 import tempfile
 
@@ -87,27 +92,39 @@ SASS_GROUPS = {"mma": ("HMMA", "HGMMA"), "shared": ("LDS", "STS", "LDSM"), "sync
                "mufu": ("MUFU",), "global": ("LDG", "STG", "LDGSTS"), "local (spill)": ("LDL", "STL")}
 
 
-def sass_counts(compiled):
-    """{opcode: count} of the cubin's SASS (nvdisasm), opcodes without their modifiers."""
-    out = cubin_tool(compiled, "nvdisasm", "-c")
-    counts = {}
+def sass_by_line(compiled):
+    """{line of kda_triton.py (None: no line info): Counter of opcodes (without modifiers)} of the cubin's SASS
+    (nvdisasm with the line information triton compiles in). A helper's line stands for every call inlined there."""
+    out = cubin_tool(compiled, "nvdisasm", "-g")
+    by_line, line_no = collections.defaultdict(collections.Counter), None
     for line in out.splitlines():
+        m = re.search(r'//## File ".*kda_triton\.py", line (\d+)', line)
+        if m:
+            line_no = int(m.group(1))
+        elif "//## File" in line:  # another file (triton's language helpers): keep the caller's line
+            continue
         if "/*" not in line or ";" not in line:
             continue
         words = line.split("*/", 1)[-1].strip().rstrip(";").split()
         if words and words[0].startswith("@"):  # a predicate
             words = words[1:]
         if words:
-            op = words[0].split(".")[0]
-            counts[op] = counts.get(op, 0) + 1
-    return counts
+            by_line[line_no][words[0].split(".")[0]] += 1
+    return by_line
 
 
-def print_sass(name, counts):
-    total = sum(counts.values())
+def print_sass(name, by_line, lines):
+    counts = sum(by_line.values(), collections.Counter())
     groups = ", ".join(f"{g} {sum(counts.get(op, 0) for op in ops)}" for g, ops in SASS_GROUPS.items())
-    print(f"  {name} SASS: {total} instructions; {groups}")
-    print("  most frequent: " + ", ".join(f"{op} {n}" for op, n in sorted(counts.items(), key=lambda x: -x[1])[:12]))
+    print(f"  {name} SASS: {counts.total()} instructions; {groups}")
+    print("  most frequent: " + ", ".join(f"{op} {n}" for op, n in counts.most_common(12)))
+    if lines:
+        src = inspect.getsource(kda_triton).splitlines()
+        print(f"  the {lines} lines of kda_triton.py with the most instructions:")
+        for line_no, ops in sorted(by_line.items(), key=lambda x: -x[1].total())[:lines]:
+            text = src[line_no - 1].strip()[:60] if line_no else "(no line information)"
+            print(f"  {ops.total():6d}  {line_no or '-':>5}  {text}")
+            print("                 " + ", ".join(f"{op} {n}" for op, n in ops.most_common(6)))
 
 
 def main():
@@ -121,6 +138,8 @@ def main():
                     '{"num_warps": 4}}\'')
     ap.add_argument("--slice", default="{}", help="JSON overrides of kda_triton.SLICE")
     ap.add_argument("--sass", metavar="KERNEL", help="also print this kernel's SASS opcode counts")
+    ap.add_argument("--lines", type=int, default=0, metavar="N",
+                    help="with --sass: the N source lines with the most SASS instructions, and their opcodes")
     args = ap.parse_args()
     launch, slices = json.loads(args.launch), json.loads(args.slice)
     for given, known, flag in ((launch, kda_triton.LAUNCH, "--launch"), (slices, kda_triton.SLICE, "--slice")):
@@ -163,7 +182,7 @@ def main():
         print(f"{fn.__name__:22s} {options.get('num_warps', 4):5d} {options.get('num_stages', 3):6d} {regs:9d}"
               f" {stack:7d} {compiled.metadata.shared:8d}")
         if fn.__name__ == args.sass:
-            print_sass(fn.__name__, sass_counts(compiled))
+            print_sass(fn.__name__, sass_by_line(compiled), args.lines)
 
 
 if __name__ == "__main__":
