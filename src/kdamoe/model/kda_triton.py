@@ -408,9 +408,9 @@ def _state_block(ptr, n, h, H, ck, cv, K: tl.constexpr, V: tl.constexpr, BK: tl.
 
 @triton.jit
 def _lp_dot(a, b, LP: tl.constexpr):
-    """``a @ b`` for ``a`` as stored (W, K e^{Γ_C−Γ}, Q e^Γ: 16-bit with 16-bit inputs): with LP on tensor cores
-    in a's dtype, ``b`` rounded to it; else both widened to fp32 (tf32 on a GPU; the CPU interpreter, whose bf16
-    dot multiplies raw bits in triton 3.9)."""
+    """``a @ b`` for ``a`` as stored (W, K e^{Γ_C−Γ}, Q e^Γ: 16-bit with 16-bit inputs; A_qk: bf16 with bf16 inputs,
+    else fp32): with LP on tensor cores in a's dtype, ``b`` rounded to it; else both widened to fp32 (tf32 on a GPU;
+    the CPU interpreter, whose bf16 dot multiplies raw bits in triton 3.9)."""
     if LP:
         return tl.dot(a, b.to(a.dtype))
     return tl.dot(a.to(tl.float32), b.to(tl.float32))
