@@ -377,9 +377,6 @@ def _wu_kernel(q_ptr, k_ptr, v_ptr, b_ptr, gam_ptr, tinv_ptr, w_ptr, u_ptr, qg_p
         vv = tl.load(v_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
         if U_FROM_STATES:  # the backward: U as the forward loop had it, from T widened to fp32
             u = tl.dot(tinv16.to(tl.float32), vv * beta[:, None])
-        else:  # the forward: T (βV) on 16-bit tensor cores, as fla-core
-            u = _lp_dot(tinv16, vv * beta[:, None], LP)
-        if U_FROM_STATES:
             for k0 in range(0, K, BK):
                 ck = k0 + tl.arange(0, BK)
                 mk = ck < K
@@ -387,6 +384,8 @@ def _wu_kernel(q_ptr, k_ptr, v_ptr, b_ptr, gam_ptr, tinv_ptr, w_ptr, u_ptr, qg_p
                 s0 = tl.load(hs_ptr + (c * H + h).to(tl.int64) * (K * V) + ck[:, None] * V + cv[None, :],
                              mask=mk[:, None] & mv[None, :], other=0.0)
                 u -= _lp_dot(w, s0, LP)
+        else:  # the forward: T (βV) on 16-bit tensor cores, as fla-core
+            u = _lp_dot(tinv16, vv * beta[:, None], LP)
         tl.store(u_ptr + offv, u.to(u_ptr.dtype.element_ty), mask=mv2)
 
 
