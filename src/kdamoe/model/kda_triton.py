@@ -121,6 +121,18 @@ def _gate_cumsum_kernel(g_ptr, a_ptr, dtb_ptr, gam_ptr, cstart_ptr, cend_ptr, lo
 
 
 @triton.jit
+def _exp(x, FTZ: tl.constexpr):
+    """``e^x``; FTZ (on a GPU): one ``ex2.approx.ftz`` of ``x log2 e``. ``tl.exp`` wraps the same MUFU op in the
+    handling of denormal results (~4 more SASS instructions an element), which no factor here needs: one below
+    2^-126 stands for less than 1e-38 of a term of order 1 and is flushed to 0. The CPU interpreter runs no inline
+    asm: ``tl.exp`` there."""
+    if FTZ:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * 1.4426950408889634],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    return tl.exp(x)
+
+
+@triton.jit
 def _put(ptr, x, s, e, h, H, I: tl.constexpr, J: tl.constexpr):
     r = tl.arange(0, 16)
     ptr += s * (H * 64) + h * 64
@@ -183,7 +195,7 @@ def _solve(tinv_ptr, a00, a10, a11, a20, a21, a22, a30, a31, a32, a33, s, e, h, 
 
 
 @triton.jit
-def _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, I: tl.constexpr, ck, mk, SAFE: tl.constexpr):
+def _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, I: tl.constexpr, ck, mk, SAFE: tl.constexpr, FTZ: tl.constexpr):
     """Columns ck of row block I (rows ``16 I .. 16 I + 15``) of a chunk of n rows, a = the block's first row: the
     row operands ``q_i e^{Γ_i − Γ_a}``, ``k_i e^{Γ_i − Γ_a}`` (factors <= 1), the column operand ``k_i e^{Γ_a − Γ_i}``
     (>= 1; <= e^{75} with the bounded gate; SAFE: not formed, k as loaded), Γ_a, and q, k, Γ as loaded."""
@@ -194,16 +206,17 @@ def _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, I: tl.constexpr, ck, mk, SAFE: tl.
     gi = tl.load(gam_ptr + off, mask=mi, other=0.0)
     ki = tl.load(k_ptr + off, mask=mi, other=0.0).to(tl.float32)
     qi = tl.load(q_ptr + off, mask=mi, other=0.0).to(tl.float32)
-    el = tl.exp(tl.where(mi, gi - ga[None, :], 0.0))  # a masked row's Γ = 0 would give e^{−Γ_a}: overflow
+    el = _exp(tl.where(mi, gi - ga[None, :], 0.0), FTZ)  # a masked row's Γ = 0 would give e^{−Γ_a}: overflow
     if SAFE:
         kc = ki
     else:
-        kc = ki * tl.exp(ga[None, :] - gi)  # a masked row has k = 0 and e^{Γ_a} <= 1: no `where` needed
+        kc = ki * _exp(ga[None, :] - gi, FTZ)  # a masked row has k = 0 and e^{Γ_a} <= 1: no `where` needed
     return qi * el, ki * el, kc, ga, qi, ki, gi
 
 
 @triton.jit
-def _intra_diag(akk, aqk, k_ptr, gam_ptr, qr, kr, kc, qi, ki, gi, n, HK, I: tl.constexpr, ck, mk, SAFE: tl.constexpr):
+def _intra_diag(akk, aqk, k_ptr, gam_ptr, qr, kr, kc, qi, ki, gi, n, HK, I: tl.constexpr, ck, mk, SAFE: tl.constexpr,
+                FTZ: tl.constexpr):
     """Adds columns ck's share of diagonal block (I, I): one dense dot each (both operands anchored at the block's
     first row), or (SAFE, any gate) pair by pair (``e^{Γ_i − Γ_j}`` for ``j <= i`` only)."""
     if SAFE:
@@ -216,7 +229,7 @@ def _intra_diag(akk, aqk, k_ptr, gam_ptr, qr, kr, kc, qi, ki, gi, n, HK, I: tl.c
             gj = tl.load(gam_ptr + j * HK + ck, mask=mj, other=0.0)
             kj = tl.load(k_ptr + j * HK + ck, mask=mj, other=0.0).to(tl.float32)
             ok = ri >= j
-            kd = kj[None, :] * tl.exp(tl.where(ok[:, None] & mi, gi - gj[None, :], 0.0))
+            kd = kj[None, :] * _exp(tl.where(ok[:, None] & mi, gi - gj[None, :], 0.0), FTZ)
             sel = ok[:, None] & (r16[None, :] == jj)
             akk += tl.where(sel, tl.sum(ki * kd, axis=1)[:, None], 0.0)
             aqk += tl.where(sel, tl.sum(qi * kd, axis=1)[:, None], 0.0)
@@ -226,7 +239,7 @@ def _intra_diag(akk, aqk, k_ptr, gam_ptr, qr, kr, kc, qi, ki, gi, n, HK, I: tl.c
 
 
 @triton.jit
-def _intra_pair(akk, aqk, qr, kr, ga, kc, gaj, kj, gj, SAFE: tl.constexpr):
+def _intra_pair(akk, aqk, qr, kr, ga, kc, gaj, kj, gj, SAFE: tl.constexpr, FTZ: tl.constexpr):
     """Adds columns ck's share of block (I, J < I): the row operands (anchored at a, row block I's first row) with
     column block J anchored at a too — J's own column operand (anchored at its first row a_J) times the per-column
     ``e^{Γ_a − Γ_{a_J}}`` (<= 1): one exp per column, not per element (a factor that underflows stands for less than
@@ -234,9 +247,9 @@ def _intra_pair(akk, aqk, qr, kr, ga, kc, gaj, kj, gj, SAFE: tl.constexpr):
     every block of the row); or with any gate (SAFE) ``k_j e^{Γ_a − Γ_j}`` anew (<= 1). Both anchors are rows <= i:
     row i's entries depend on no later token, bit for bit."""
     if SAFE:
-        kc = kj * tl.exp(ga[None, :] - gj)
+        kc = kj * _exp(ga[None, :] - gj, FTZ)
     else:
-        kc = kc * tl.exp(ga - gaj)[None, :]
+        kc = kc * _exp(ga - gaj, FTZ)[None, :]
     kct = tl.trans(kc)
     return tl.dot(kr, kct, akk), tl.dot(qr, kct, aqk)
 
@@ -259,7 +272,7 @@ def _intra_beta(b_ptr, n, H, I: tl.constexpr):
 
 @triton.jit
 def _intra_kernel(q_ptr, k_ptr, gam_ptr, b_ptr, aqk_ptr, tinv_ptr, cstart_ptr, cend_ptr, scale, H,
-                  K: tl.constexpr, BK: tl.constexpr, SAFE: tl.constexpr, TF32: tl.constexpr):
+                  K: tl.constexpr, BK: tl.constexpr, SAFE: tl.constexpr, TF32: tl.constexpr, FTZ: tl.constexpr):
     """``A_qk`` (times scale, lower; its upper blocks 0) and ``T = (I + A_kk)^-1`` (A_kk times β, strictly lower) of
     one chunk by 16 x 16 blocks (I, J <= I): ``(x_i e^{Γ_i − Γ_a}) · (k_j e^{Γ_a − Γ_j})`` with a the first row of
     row block I, summed over head-dim slices of BK in 20 accumulators. In each slice every row block is loaded and
@@ -287,20 +300,20 @@ def _intra_kernel(q_ptr, k_ptr, gam_ptr, b_ptr, aqk_ptr, tinv_ptr, cstart_ptr, c
     for c0 in range(0, K, BK):
         ck = c0 + tl.arange(0, BK)
         mk = ck < K
-        qr0, kr0, kc0, ga0, q0, k0, g0 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 0, ck, mk, SAFE)
-        akk00, aqk00 = _intra_diag(akk00, aqk00, k_ptr, gam_ptr, qr0, kr0, kc0, q0, k0, g0, n, HK, 0, ck, mk, SAFE)
-        qr1, kr1, kc1, ga1, q1, k1, g1 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 1, ck, mk, SAFE)
-        akk10, aqk10 = _intra_pair(akk10, aqk10, qr1, kr1, ga1, kc0, ga0, k0, g0, SAFE)
-        akk11, aqk11 = _intra_diag(akk11, aqk11, k_ptr, gam_ptr, qr1, kr1, kc1, q1, k1, g1, n, HK, 1, ck, mk, SAFE)
-        qr2, kr2, kc2, ga2, q2, k2, g2 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 2, ck, mk, SAFE)
-        akk20, aqk20 = _intra_pair(akk20, aqk20, qr2, kr2, ga2, kc0, ga0, k0, g0, SAFE)
-        akk21, aqk21 = _intra_pair(akk21, aqk21, qr2, kr2, ga2, kc1, ga1, k1, g1, SAFE)
-        akk22, aqk22 = _intra_diag(akk22, aqk22, k_ptr, gam_ptr, qr2, kr2, kc2, q2, k2, g2, n, HK, 2, ck, mk, SAFE)
-        qr3, kr3, kc3, ga3, q3, k3, g3 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 3, ck, mk, SAFE)
-        akk30, aqk30 = _intra_pair(akk30, aqk30, qr3, kr3, ga3, kc0, ga0, k0, g0, SAFE)
-        akk31, aqk31 = _intra_pair(akk31, aqk31, qr3, kr3, ga3, kc1, ga1, k1, g1, SAFE)
-        akk32, aqk32 = _intra_pair(akk32, aqk32, qr3, kr3, ga3, kc2, ga2, k2, g2, SAFE)
-        akk33, aqk33 = _intra_diag(akk33, aqk33, k_ptr, gam_ptr, qr3, kr3, kc3, q3, k3, g3, n, HK, 3, ck, mk, SAFE)
+        qr0, kr0, kc0, ga0, q0, k0, g0 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 0, ck, mk, SAFE, FTZ)
+        akk00, aqk00 = _intra_diag(akk00, aqk00, k_ptr, gam_ptr, qr0, kr0, kc0, q0, k0, g0, n, HK, 0, ck, mk, SAFE, FTZ)
+        qr1, kr1, kc1, ga1, q1, k1, g1 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 1, ck, mk, SAFE, FTZ)
+        akk10, aqk10 = _intra_pair(akk10, aqk10, qr1, kr1, ga1, kc0, ga0, k0, g0, SAFE, FTZ)
+        akk11, aqk11 = _intra_diag(akk11, aqk11, k_ptr, gam_ptr, qr1, kr1, kc1, q1, k1, g1, n, HK, 1, ck, mk, SAFE, FTZ)
+        qr2, kr2, kc2, ga2, q2, k2, g2 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 2, ck, mk, SAFE, FTZ)
+        akk20, aqk20 = _intra_pair(akk20, aqk20, qr2, kr2, ga2, kc0, ga0, k0, g0, SAFE, FTZ)
+        akk21, aqk21 = _intra_pair(akk21, aqk21, qr2, kr2, ga2, kc1, ga1, k1, g1, SAFE, FTZ)
+        akk22, aqk22 = _intra_diag(akk22, aqk22, k_ptr, gam_ptr, qr2, kr2, kc2, q2, k2, g2, n, HK, 2, ck, mk, SAFE, FTZ)
+        qr3, kr3, kc3, ga3, q3, k3, g3 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 3, ck, mk, SAFE, FTZ)
+        akk30, aqk30 = _intra_pair(akk30, aqk30, qr3, kr3, ga3, kc0, ga0, k0, g0, SAFE, FTZ)
+        akk31, aqk31 = _intra_pair(akk31, aqk31, qr3, kr3, ga3, kc1, ga1, k1, g1, SAFE, FTZ)
+        akk32, aqk32 = _intra_pair(akk32, aqk32, qr3, kr3, ga3, kc2, ga2, k2, g2, SAFE, FTZ)
+        akk33, aqk33 = _intra_diag(akk33, aqk33, k_ptr, gam_ptr, qr3, kr3, kc3, q3, k3, g3, n, HK, 3, ck, mk, SAFE, FTZ)
     zero = tl.zeros((16, 16), dtype=tl.float32)  # A_qk's upper blocks: the O kernel reads whole rows
     _put(aqk_ptr, _tril16(aqk00, False) * scale, s, e, h, H, 0, 0)
     _put(aqk_ptr, zero, s, e, h, H, 0, 1)
@@ -631,7 +644,7 @@ def _bwd_v_kernel(v_ptr, b_ptr, tinv_ptr, hs_ptr, dhs_ptr, us_ptr, dus_ptr, do_p
 
 @triton.jit
 def _bwd_da_kernel(k_ptr, b_ptr, gam_ptr, tinv_ptr, dw_ptr, dkd_ptr, da_ptr, xpre_ptr, cstart_ptr, cend_ptr, H,
-                   K: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr):
+                   K: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, FTZ: tl.constexpr):
     """The chunk-wide reductions that the per-row kernel ``_bwd_intra_kernel`` needs: ``dT += dW (β K e^Γ)ᵀ``, then
     ``dA = −Tᵀ dT Tᵀ`` (strictly lower, in place of dT); ``Tᵀ dW`` (in place of dW); and the sums ``Σ_{s<16 I}
     k_s dKd_s e^{Γ_C − Γ_s}`` for row blocks I = 1, 2, 3 (``xpre [chunks, H, 3, K]``: the prefix terms of dg that
@@ -654,10 +667,10 @@ def _bwd_da_kernel(k_ptr, b_ptr, gam_ptr, tinv_ptr, dw_ptr, dkd_ptr, da_ptr, xpr
         kk = tl.load(k_ptr + offk, mask=m2, other=0.0).to(tl.float32)
         gam = tl.load(gam_ptr + offk, mask=m2, other=0.0)
         dw = tl.load(dw_ptr + offk, mask=m2, other=0.0)
-        dt += tl.dot(dw, tl.trans(kk * tl.exp(gam) * beta[:, None]))
+        dt += tl.dot(dw, tl.trans(kk * _exp(gam, FTZ) * beta[:, None]))
         tl.store(dw_ptr + offk, tl.dot(tl.trans(tinv), dw), mask=m2)
         glast = tl.load(gam_ptr + s * (H * K) + h * K + (e - 1 - s) * (H * K) + ck, mask=mk, other=0.0)
-        x = kk * tl.load(dkd_ptr + offk, mask=m2, other=0.0) * tl.exp(tl.where(m2, glast[None, :] - gam, 0.0))
+        x = kk * tl.load(dkd_ptr + offk, mask=m2, other=0.0) * _exp(tl.where(m2, glast[None, :] - gam, 0.0), FTZ)
         # inclusive sums at rows 15, 31, 47 = the sums over the rows before blocks 1, 2, 3
         tl.store(xpre_ptr + ((c * H + h).to(tl.int64) * 3 + r[:, None] // 16) * K + ck[None, :], tl.cumsum(x, axis=0),
                  mask=((r % 16 == 15) & (r < 48))[:, None] & mk[None, :])
@@ -668,7 +681,7 @@ def _bwd_da_kernel(k_ptr, b_ptr, gam_ptr, tinv_ptr, dw_ptr, dkd_ptr, da_ptr, xpr
 @triton.jit
 def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, dqg_ptr, dkd_ptr, tdw_ptr, dp_ptr, da_ptr, dgc_ptr,
                       xpre_ptr, dgam_ptr, dge_ptr, db32_ptr, dq_ptr, dk_ptr, db_ptr, cstart_ptr, cend_ptr, scale, H,
-                      K: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, SAFE: tl.constexpr):
+                      K: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, SAFE: tl.constexpr, FTZ: tl.constexpr):
     """dq, dk, dβ (final) and dΓ with the prefix terms of dg, of rows ``16 I .. 16 I + 15`` of a chunk, from the
     sums of ``_bwd_v_kernel`` and ``_bwd_da_kernel``. Dense terms, row by row: ``dq = scale dQg e^Γ``, ``dk = dKd
     e^{Γ_C − Γ} + β (Tᵀ dW) e^Γ``, dP's diagonal (kept out of the pairwise terms: it adds exactly 0 to dΓ, and its
@@ -723,13 +736,13 @@ def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, dqg_ptr, dkd_ptr, tdw_ptr, d
         ki = tl.load(k_ptr + offi, mask=mi, other=0.0).to(tl.float32)
         qi = tl.load(q_ptr + offi, mask=mi, other=0.0).to(tl.float32)
         # dense terms
-        eg = tl.exp(gi)
+        eg = _exp(gi, FTZ)
         kg = ki * eg
         dkd_i = tl.load(dkd_ptr + base + offi, mask=mi, other=0.0)
         tdw = tl.load(tdw_ptr + base + offi, mask=mi, other=0.0)  # rows of Tᵀ dW
         dkg = tdw * bi[:, None]
         dq = tl.load(dqg_ptr + base + offi, mask=mi, other=0.0) * eg * scale
-        dk = dkd_i * tl.exp(glast[None, :] - gi) + dkg * eg + dp_diag[:, None] * qi
+        dk = dkd_i * _exp(glast[None, :] - gi, FTZ) + dkg * eg + dp_diag[:, None] * qi
         dgam = kg * dkg + qi * dq
         dbeta += tl.sum(kg * tdw, axis=1)
         dq += dp_diag[:, None] * ki
@@ -739,10 +752,10 @@ def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, dqg_ptr, dkd_ptr, tdw_ptr, d
         mp = prev & mk[None, :]
         offp = offi - H * K
         xp_ = tl.load(k_ptr + offp, mask=mp, other=0.0).to(tl.float32) * tl.load(dkd_ptr + base + offp, mask=mp,
-                      other=0.0) * tl.exp(tl.where(mp, glast[None, :] - tl.load(gam_ptr + offp, mask=mp, other=0.0),
-                                                   0.0))
+                      other=0.0) * _exp(tl.where(mp, glast[None, :] - tl.load(gam_ptr + offp, mask=mp, other=0.0),
+                                                   0.0), FTZ)
         dgc = tl.load(dgc_ptr + (c * H + h).to(tl.int64) * K + ck, mask=mk, other=0.0)
-        tl.store(dge_ptr + base + offi, tl.cumsum(xp_, axis=0) + (xb + tl.exp(glast) * dgc)[None, :], mask=mi)
+        tl.store(dge_ptr + base + offi, tl.cumsum(xp_, axis=0) + (xb + _exp(glast, FTZ) * dgc)[None, :], mask=mi)
         # pairwise terms, row side: blocks up to this one, 16 rows j at a time
         xp = tl.zeros((16, KS), dtype=tl.float32)
         xa = tl.zeros((16, KS), dtype=tl.float32)
@@ -752,12 +765,12 @@ def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, dqg_ptr, dkd_ptr, tdw_ptr, d
             mj = vj[:, None] & mk[None, :]
             offj = rj[:, None] * (H * K) + ck[None, :]
             gj = tl.where(vj[:, None], tl.load(gam_ptr + offj, mask=mj, other=0.0), glast[None, :])
-            krj = tl.load(k_ptr + offj, mask=mj, other=0.0).to(tl.float32) * tl.exp(ga[None, :] - gj)
+            krj = tl.load(k_ptr + offj, mask=mj, other=0.0).to(tl.float32) * _exp(ga[None, :] - gj, FTZ)
             offij = base64 + ri[:, None] * (H * 64) + rj[None, :]
             vij = vi[:, None] & vj[None, :]
             xp += tl.dot(tl.load(dp_ptr + offij, mask=vij & (rj[None, :] < ri[:, None]), other=0.0), krj)
             xa += tl.dot(tl.load(da_ptr + offij, mask=vij, other=0.0), krj)
-        el = tl.exp(gi - ga[None, :])
+        el = _exp(gi - ga[None, :], FTZ)
         xp *= el
         xa *= el
         # column side: columns of this block, rows j of this and later blocks
@@ -773,7 +786,7 @@ def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, dqg_ptr, dkd_ptr, tdw_ptr, d
             mj = vj[:, None] & mk[None, :]
             offj = rj[:, None] * (H * K) + ck[None, :]
             gj = tl.where(vj[:, None], tl.load(gam_ptr + offj, mask=mj, other=0.0), glast[None, :])
-            erj = tl.exp(gj - gb[None, :])
+            erj = _exp(gj - gb[None, :], FTZ)
             offji = base64 + rj[None, :] * (H * 64) + ri[:, None]  # d[j, i] as [i, j]
             vij = vi[:, None] & vj[None, :]
             bj = tl.load(b_ptr + s * H + rj * H + h, mask=vj, other=0.0).to(tl.float32)
@@ -781,7 +794,7 @@ def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, dqg_ptr, dkd_ptr, tdw_ptr, d
                          tl.load(q_ptr + offj, mask=mj, other=0.0).to(tl.float32) * erj)
             ym += tl.dot(tl.load(da_ptr + offji, mask=vij, other=0.0) * bj[None, :],
                          tl.load(k_ptr + offj, mask=mj, other=0.0).to(tl.float32) * erj)
-        ej = tl.exp(gb[None, :] - gi)
+        ej = _exp(gb[None, :] - gi, FTZ)
         yp *= ej
         ym *= ej
         if SAFE:
@@ -794,13 +807,13 @@ def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, dqg_ptr, dkd_ptr, tdw_ptr, d
                 qj = tl.load(q_ptr + j * (H * K) + ck, mask=mj, other=0.0).to(tl.float32)
                 # row side: partner j is an earlier (or the same) token of row i
                 ok = ri >= j
-                ex = tl.exp(tl.where(ok[:, None], gi - gj[None, :], 0.0)) * kj[None, :]
+                ex = _exp(tl.where(ok[:, None], gi - gj[None, :], 0.0), FTZ) * kj[None, :]
                 sel = ok[:, None] & (cc[None, :] == jj)
                 xp += tl.sum(tl.where(sel, dp_r, 0.0), axis=1)[:, None] * ex
                 xa += tl.sum(tl.where(sel, da_r, 0.0), axis=1)[:, None] * ex
                 # column side: partner j is a later (or the same) token of column i
                 ok = ri <= j
-                ey = tl.exp(tl.where(ok[:, None], gj[None, :] - gi, 0.0))
+                ey = _exp(tl.where(ok[:, None], gj[None, :] - gi, 0.0), FTZ)
                 sel = ok[:, None] & (cc[None, :] == jj)
                 dpj = tl.sum(tl.where(sel, dp_t, 0.0), axis=1)
                 dmj = tl.sum(tl.where(sel, dm_t, 0.0), axis=1)
@@ -984,7 +997,8 @@ def _prep(q, k, v, g, beta, gate, scale, safe, tables, aqk, tinv, w, kd, u0, qg,
                                                       **LAUNCH["gate_cumsum"])
     if intra:
         _intra_kernel[(NC, H)](q, k, gam, beta, aqk, tinv, cstart, cend, scale, H, K, min(BK, SLICE["intra_k"]),
-                               SAFE=safe, TF32=_lp(q) and tinv.element_size() == 2, **LAUNCH["intra"])
+                               SAFE=safe, TF32=_lp(q) and tinv.element_size() == 2, FTZ=q.is_cuda,
+                               **LAUNCH["intra"])
     _wu_kernel[(NC, H)](q, k, v, beta, gam, tinv, w, u0, qg if qg is not None else w, kd, dl,
                         hs_kept if hs_kept is not None else dl, cstart, cend, scale, H, K, V, min(BK, SLICE["wu_k"]),
                         min(BVf, SLICE["wu_v"]), STORE_QG=qg is not None, U_FROM_STATES=hs_kept is not None,
@@ -1248,10 +1262,10 @@ def _bwd_chunks(tables, R, C, x, gate, scale, safe, fw, do, dhs, dus, grads, par
                            scale, H, K, V, BK, BV, **LAUNCH["bwd_v"])
     xpre = torch.empty(NC, H, 3, K, **f32)
     _bwd_da_kernel[(NC, H)](k, beta, gam, tinv, dw, dkd, da, xpre, cstart, cend, H, K, BK,
-                            min(BK, SLICE["bwd_da_k"]), **LAUNCH["bwd_da"])
+                            min(BK, SLICE["bwd_da_k"]), FTZ=q.is_cuda, **LAUNCH["bwd_da"])
     _bwd_intra_kernel[(NC * 4, H)](q, k, beta, gam, dqg, dkd, dw, dp, da, dgc, xpre, dgam, dge, db32, dq, dk, db,
                                   cstart, cend, scale, H, K, BK, min(BK, SLICE["bwd_intra_k"]), SAFE=safe,
-                                  **LAUNCH["bwd_intra"])
+                                  FTZ=q.is_cuda, **LAUNCH["bwd_intra"])
     da_part, ddtb_part = (parts[0][C], parts[1][C]) if mode else (dg, dg)
     _bwd_dg_kernel[(NC, H)](dgam, dge, g, a, dtb, dg, da_part, ddtb_part, cstart, cend, lb, H, K, BK, GATE=mode,
                             **LAUNCH["bwd_dg"])
