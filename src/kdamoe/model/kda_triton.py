@@ -933,8 +933,9 @@ def _launch_cfg(K, V):
 
 
 def _lp(x):
-    """Whether dots with 16-bit operands run on 16-bit tensor cores (the kernels' `LP`): on a GPU. The CPU
-    interpreter widens them to fp32 (its bf16 dot multiplies raw bits in triton 3.9)."""
+    """Whether the kernels take their GPU-only paths: dots with 16-bit operands on 16-bit tensor cores (`LP`), exps
+    as inline asm (`FTZ`). The CPU interpreter widens those dots to fp32 (its bf16 dot multiplies raw bits in triton
+    3.9) and runs no inline asm."""
     return x.is_cuda
 
 
@@ -997,7 +998,7 @@ def _prep(q, k, v, g, beta, gate, scale, safe, tables, aqk, tinv, w, kd, u0, qg,
                                                       **LAUNCH["gate_cumsum"])
     if intra:
         _intra_kernel[(NC, H)](q, k, gam, beta, aqk, tinv, cstart, cend, scale, H, K, min(BK, SLICE["intra_k"]),
-                               SAFE=safe, TF32=_lp(q) and tinv.element_size() == 2, FTZ=q.is_cuda,
+                               SAFE=safe, TF32=_lp(q) and tinv.element_size() == 2, FTZ=_lp(q),
                                **LAUNCH["intra"])
     _wu_kernel[(NC, H)](q, k, v, beta, gam, tinv, w, u0, qg if qg is not None else w, kd, dl,
                         hs_kept if hs_kept is not None else dl, cstart, cend, scale, H, K, V, min(BK, SLICE["wu_k"]),
@@ -1262,10 +1263,10 @@ def _bwd_chunks(tables, R, C, x, gate, scale, safe, fw, do, dhs, dus, grads, par
                            scale, H, K, V, BK, BV, **LAUNCH["bwd_v"])
     xpre = torch.empty(NC, H, 3, K, **f32)
     _bwd_da_kernel[(NC, H)](k, beta, gam, tinv, dw, dkd, da, xpre, cstart, cend, H, K, BK,
-                            min(BK, SLICE["bwd_da_k"]), FTZ=q.is_cuda, **LAUNCH["bwd_da"])
+                            min(BK, SLICE["bwd_da_k"]), FTZ=_lp(q), **LAUNCH["bwd_da"])
     _bwd_intra_kernel[(NC * 4, H)](q, k, beta, gam, dqg, dkd, dw, dp, da, dgc, xpre, dgam, dge, db32, dq, dk, db,
                                   cstart, cend, scale, H, K, BK, min(BK, SLICE["bwd_intra_k"]), SAFE=safe,
-                                  FTZ=q.is_cuda, **LAUNCH["bwd_intra"])
+                                  FTZ=_lp(q), **LAUNCH["bwd_intra"])
     da_part, ddtb_part = (parts[0][C], parts[1][C]) if mode else (dg, dg)
     _bwd_dg_kernel[(NC, H)](dgam, dge, g, a, dtb, dg, da_part, ddtb_part, cstart, cend, lb, H, K, BK, GATE=mode,
                             **LAUNCH["bwd_dg"])
