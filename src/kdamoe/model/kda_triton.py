@@ -123,7 +123,7 @@ def _gate_cumsum_kernel(g_ptr, a_ptr, dtb_ptr, gam_ptr, cstart_ptr, cend_ptr, lo
 @triton.jit
 def _exp(x, FTZ: tl.constexpr):
     """``e^x``; FTZ (on a GPU): one ``ex2.approx.ftz`` of ``x log2 e``. ``tl.exp`` wraps the same MUFU op in the
-    handling of denormal results (~4 more SASS instructions an element), which no factor here needs: one below
+    handling of denormal results (three more SASS instructions each), which no factor here needs: one below
     2^-126 stands for less than 1e-38 of a term of order 1 and is flushed to 0. The CPU interpreter runs no inline
     asm: ``tl.exp`` there."""
     if FTZ:
