@@ -342,7 +342,7 @@ def _intra_kernel(q_ptr, k_ptr, gam_ptr, b_ptr, aqk_ptr, tinv_ptr, cstart_ptr, c
 @triton.jit
 def _wu_kernel(q_ptr, k_ptr, v_ptr, b_ptr, gam_ptr, tinv_ptr, w_ptr, u_ptr, qg_ptr, kd_ptr, dl_ptr, hs_ptr,
                cstart_ptr, cend_ptr, scale, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               STORE_QG: tl.constexpr, U_FROM_STATES: tl.constexpr, LP: tl.constexpr):
+               STORE_QG: tl.constexpr, U_FROM_STATES: tl.constexpr, LP: tl.constexpr, FTZ: tl.constexpr):
     """``W = T (β K e^Γ)``, ``U0 = T (β V)``, and for the chunk loops ``K e^{Γ_C − Γ}``, ``e^{Γ_C}`` and (STORE_QG,
     for the backward) ``scale Q e^Γ``; the columns in slices of BK (K) and BV (V), T kept in registers.
     U_FROM_STATES (the backward, with the per-chunk states S0 that the forward kept): ``U = U0 − W S0`` in place of
@@ -372,14 +372,14 @@ def _wu_kernel(q_ptr, k_ptr, v_ptr, b_ptr, gam_ptr, tinv_ptr, w_ptr, u_ptr, qg_p
         gam = tl.load(gam_ptr + offk, mask=m2, other=0.0)
         glast = tl.load(gam_ptr + (e - 1 - s) * (H * K) + ck, mask=mk, other=0.0)
         kk = tl.load(k_ptr + offk, mask=m2, other=0.0).to(tl.float32)
-        tl.store(kd_ptr + offk, (kk * tl.exp(glast[None, :] - gam)).to(kd_ptr.dtype.element_ty), mask=m2)
-        eg = tl.exp(gam)
+        tl.store(kd_ptr + offk, (kk * _exp(glast[None, :] - gam, FTZ)).to(kd_ptr.dtype.element_ty), mask=m2)
+        eg = _exp(gam, FTZ)
         # W (stored in 16 bits) on 16-bit tensor cores: it adds nothing measurable to any error (notes)
         tl.store(w_ptr + offk, _lp_dot(tinv16, kk * eg * beta[:, None], LP).to(w_ptr.dtype.element_ty), mask=m2)
         if STORE_QG:
             qq = tl.load(q_ptr + offk, mask=m2, other=0.0).to(tl.float32)
             tl.store(qg_ptr + offk, (qq * eg * scale).to(qg_ptr.dtype.element_ty), mask=m2)
-        tl.store(dl_ptr + (c * H + h).to(tl.int64) * K + ck, tl.exp(glast), mask=mk)
+        tl.store(dl_ptr + (c * H + h).to(tl.int64) * K + ck, _exp(glast, FTZ), mask=mk)
     if U_FROM_STATES:
         tl.debug_barrier()  # W, stored above by all of this program's threads, is read back below
     for iv in range(0, V, BV):
@@ -1003,7 +1003,7 @@ def _prep(q, k, v, g, beta, gate, scale, safe, tables, aqk, tinv, w, kd, u0, qg,
     _wu_kernel[(NC, H)](q, k, v, beta, gam, tinv, w, u0, qg if qg is not None else w, kd, dl,
                         hs_kept if hs_kept is not None else dl, cstart, cend, scale, H, K, V, min(BK, SLICE["wu_k"]),
                         min(BVf, SLICE["wu_v"]), STORE_QG=qg is not None, U_FROM_STATES=hs_kept is not None,
-                        LP=_lp(q), **LAUNCH["wu"])
+                        LP=_lp(q), FTZ=_lp(q), **LAUNCH["wu"])
     return gam
 
 
