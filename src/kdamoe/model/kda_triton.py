@@ -120,6 +120,9 @@ def _gate_cumsum_kernel(g_ptr, a_ptr, dtb_ptr, gam_ptr, cstart_ptr, cend_ptr, lo
     tl.store(gam_ptr + base + offk, tl.cumsum(g, axis=0), mask=m2)
 
 
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
 @triton.jit
 def _exp(x, FTZ: tl.constexpr):
     """``e^x``; FTZ (on a GPU): one ``ex2.approx.ftz`` of ``x log2 e``. ``tl.exp`` wraps the same MUFU op in the
@@ -127,7 +130,7 @@ def _exp(x, FTZ: tl.constexpr):
     2^-126 stands for less than 1e-38 of a term of order 1 and is flushed to 0. The CPU interpreter runs no inline
     asm: ``tl.exp`` there."""
     if FTZ:
-        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * 1.4426950408889634],
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * LOG2E],
                                          dtype=tl.float32, is_pure=True, pack=1)
     return tl.exp(x)
 
