@@ -454,7 +454,12 @@ def _fwd_state_kernel(q_ptr, gam_ptr, aqk_ptr, o_ptr, kd_ptr, dl_ptr, w_ptr, u_p
     offk = r[:, None] * (H * K) + ck[None, :]
     offv = r[:, None] * (H * V) + cv[None, :]
     offs_s, ms, state_off, S = _state_block(h0_ptr, n, h, H, ck, cv, K, V, BK, BV, HAS_H0)
+    # e^{Γ_C} of chunk i at dl_at + i H K, loaded a chunk ahead: it feeds no dot, so the pipeliner leaves it a
+    # synchronous load, which on the serial chain would stall every chunk step
+    dl_at = dl_ptr + (coff * H + h) * K + ck
+    dl = tl.load(dl_at, mask=mk & (0 * ck < nt), other=0.0)
     for i in range(0, nt):
+        dl_next = tl.load(dl_at + (i + 1) * (H * K), mask=mk & (i + 1 + 0 * ck < nt), other=0.0)
         t0 = bos + i * 64
         rv = r < eos - t0
         m2 = rv[:, None] & mk[None, :]
@@ -474,8 +479,8 @@ def _fwd_state_kernel(q_ptr, gam_ptr, aqk_ptr, o_ptr, kd_ptr, dl_ptr, w_ptr, u_p
             o = tl.dot(qg, S) + tl.dot(aqk, u)
             tl.store(o_ptr + bv + offv, o.to(o_ptr.dtype.element_ty), mask=mv2)
         kd = tl.load(kd_ptr + bk + offk, mask=m2, other=0.0)
-        dl = tl.load(dl_ptr + ((coff + i) * H + h) * K + ck, mask=mk, other=0.0)
         S = S * dl[:, None] + _lp_dot(tl.trans(kd), u, LP)
+        dl = dl_next
     if STORE_HT:
         tl.store(ht_ptr + state_off + offs_s, S, mask=ms)
 
@@ -546,6 +551,10 @@ def _bwd_state_kernel(qg_ptr, kd_ptr, dl_ptr, w_ptr, do_ptr, dht_ptr, dh0_ptr, d
     offs2, ms2, state_off, dS2 = _state_block(dht_ptr, n, h, H, ck2, cv, K, V, BK // 2, BV, HAS_DHT)
     for j in range(0, nt):
         i = nt - 1 - j
+        # e^{Γ_C}, issued first: it feeds no dot (a synchronous load) and is used last
+        dl = dl_ptr + ((coff + i) * H + h) * K
+        dl1 = tl.load(dl + ck1, mask=mk1, other=0.0)
+        dl2 = tl.load(dl + ck2, mask=mk2, other=0.0)
         t0 = bos + i * 64
         rv = r < eos - t0
         m1 = rv[:, None] & mk1[None, :]
@@ -562,11 +571,10 @@ def _bwd_state_kernel(qg_ptr, kd_ptr, dl_ptr, w_ptr, do_ptr, dht_ptr, dh0_ptr, d
               + _lp_dot(tl.load(kd_ptr + off1, mask=m1, other=0.0), dS1, LPS)
               + _lp_dot(tl.load(kd_ptr + off2, mask=m2, other=0.0), dS2, LPS))
         tl.store(dus_ptr + offv, du, mask=mv2)
-        dl = dl_ptr + ((coff + i) * H + h) * K
-        dS1 = (dS1 * tl.load(dl + ck1, mask=mk1, other=0.0)[:, None]
+        dS1 = (dS1 * dl1[:, None]
                + _lp_dot(tl.trans(tl.load(qg_ptr + off1, mask=m1, other=0.0)), do, LP)
                - _lp_dot(tl.trans(tl.load(w_ptr + off1, mask=m1, other=0.0)), du, LPS))
-        dS2 = (dS2 * tl.load(dl + ck2, mask=mk2, other=0.0)[:, None]
+        dS2 = (dS2 * dl2[:, None]
                + _lp_dot(tl.trans(tl.load(qg_ptr + off2, mask=m2, other=0.0)), do, LP)
                - _lp_dot(tl.trans(tl.load(w_ptr + off2, mask=m2, other=0.0)), du, LPS))
     if STORE_DH0:
