@@ -21,16 +21,17 @@ each block below by the per-column ``e^{Γ_a − Γ_{a_J}} <= 1`` (one exp per c
 
 Forward kernels: ``_gate_cumsum`` (fused gate, Γ), ``_intra`` (per chunk A_qk, and T by 16×16 blocks from A_kk kept
 in registers), ``_wu`` (W, U0 and the loop's operands), ``_fwd_state`` (per sequence, head and V block: the
-sequential chunk loop) and ``_fwd_o`` (O per chunk, in parallel, from the stored states). Backward: the autograd
-forward keeps the inputs, A_qk, T and the per-chunk states (memory linear in T: 1.0 KB per token and head at K = V =
-128 with bf16 inputs, output included; fla-core keeps 0.5 KB and recomputes its states); the backward recomputes Γ
-and W, U0 (``_wu`` turns U0 into U from the kept states: no second chunk loop; above ``STATES_LIMIT_BYTES`` of
-states the loop runs again instead), then ``_bwd_du0`` (Pᵀ dO), ``_bwd_state`` (the reverse loop carrying dS),
-``_bwd_v`` (sums over V), ``_bwd_da`` (dA = −Tᵀ dT Tᵀ, Tᵀ dW), ``_bwd_intra`` (dq, dk, dβ and dΓ per 16-row block:
-dense and pairwise terms) and ``_bwd_dg`` (suffix sums of dΓ and the gate's chain rule). Launch settings per kernel:
-``LAUNCH``. The q/k L2 norm runs in torch before the kernels. A single long sequence runs in slabs (``_slabs``): the
-chunk loop of a slab on a second CUDA stream beside the parallel kernels of the next slab (forward) or of the one
-after it (backward, from the last slab), the state carried between slabs in fp32: bit-identical to one pass.
+sequential chunk loop) and ``_fwd_o`` (O per chunk, in parallel, from the stored states, Q and Γ). Backward: the
+autograd forward keeps the inputs, A_qk, T and the per-chunk states (memory linear in T: 1.0 KB per token and head
+at K = V = 128 with bf16 inputs, output included; fla-core keeps 0.5 KB and recomputes its states); the backward
+recomputes Γ and W, U0 (``_wu`` turns U0 into U from the kept states: no second chunk loop; above
+``STATES_LIMIT_BYTES`` of states the loop runs again instead), then ``_bwd_du0`` (Pᵀ dO), ``_bwd_state`` (the
+reverse loop carrying dS), ``_bwd_v`` (sums over V), ``_bwd_da`` (dA = −Tᵀ dT Tᵀ, Tᵀ dW), ``_bwd_intra`` (dq, dk, dβ
+and dΓ per 16-row block: dense and pairwise terms) and ``_bwd_dg`` (suffix sums of dΓ and the gate's chain rule).
+Launch settings per kernel: ``LAUNCH``. The q/k L2 norm runs in torch before the kernels. A single long sequence
+runs in slabs (``_slabs``): the chunk loop of a slab on a second CUDA stream beside the parallel kernels of the next
+slab (forward) or of the one after it (backward, from the last slab), the state carried between slabs in fp32:
+bit-identical to one pass.
 """
 
 import contextlib
@@ -59,7 +60,9 @@ LAUNCH = {
     "wu": dict(num_warps=4, num_stages=3),  # 3 stages with U0 on bf16 MMA: 4x8K fwd 1.72 -> 1.68 ms (session 15)
     "fwd_state": dict(num_warps=4),
     "fwd_state_o": dict(num_warps=8),  # the loop writing O (no per-chunk states kept: a 1M-token forward)
-    "fwd_o": dict(num_warps=2),
+    # the O kernel forming scale Q e^Γ at 2 stages (~80 KB of shared memory, two programs per SM): 4x8K / 1x32K /
+    # 1x128K forward 1.264 / 1.469 / 5.54 ms; at 3 stages (one per SM) 1.348 / 1.517 (H200, session 18)
+    "fwd_o": dict(num_warps=4, num_stages=2),
     "bwd_du0": dict(num_warps=2),
     "bwd_state": dict(num_warps=4, num_stages=1),
     "bwd_state_few": dict(num_warps=8, num_stages=2),  # fewer programs than SMs (one long sequence): prefetch
@@ -84,7 +87,7 @@ LAUNCH = {
 # forward's and the backward's: a forward slab's 6 launches are less GPU work); SLAB_TOKENS forces a slab length
 # (tests: the slabbed paths under the interpreter).
 SLABS, SLAB_MIN_TOKEN_HEADS, SLAB_TOKENS = 8, dict(forward=1 << 18, backward=1 << 17), None
-SLICE = {"gate_k": 64, "intra_k": 16, "wu_k": 64, "wu_v": 64, "bwd_intra_k": 128, "bwd_da_k": 64}
+SLICE = {"gate_k": 64, "intra_k": 16, "wu_k": 64, "wu_v": 64, "bwd_intra_k": 128, "bwd_da_k": 64, "o_k": 64}
 
 
 # --------------------------------------------------------------------------------------------------- forward
@@ -498,26 +501,29 @@ def _chunk_vblock(cstart_ptr, cend_ptr, V: tl.constexpr, BV: tl.constexpr):
 
 
 @triton.jit
-def _fwd_o_kernel(qg_ptr, aqk_ptr, hs_ptr, us_ptr, o_ptr, cstart_ptr, cend_ptr, H, K: tl.constexpr,
-                  V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, LP: tl.constexpr):
-    """``O = Qg S0 + P U`` (``Qg = scale Q e^Γ`` as stored by ``_wu_kernel``) of one chunk and V block, from the
-    states stored by the chunk loop."""
+def _fwd_o_kernel(q_ptr, gam_ptr, aqk_ptr, hs_ptr, us_ptr, o_ptr, cstart_ptr, cend_ptr, scale, H, K: tl.constexpr,
+                  V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FTZ: tl.constexpr, LP: tl.constexpr):
+    """``O = (scale Q e^Γ) S0 + P U`` of one chunk and V block, from the states stored by the chunk loop; Q e^Γ is
+    formed here, the head dim in BK-wide slices, so that a forward without autograd neither writes nor reads it."""
     c, h, cv, s, r, rv = _chunk_vblock(cstart_ptr, cend_ptr, V, BV)
-    ck = tl.arange(0, BK)
-    mk = ck < K
     mv = cv < V
     mv2 = rv[:, None] & mv[None, :]
-    offk = s * (H * K) + h * K + r[:, None] * (H * K) + ck[None, :]
-    m2 = rv[:, None] & mk[None, :]
-    qg = tl.load(qg_ptr + offk, mask=m2, other=0.0)
-    s0 = tl.load(hs_ptr + (c * H + h).to(tl.int64) * (K * V) + ck[:, None] * V + cv[None, :],
-                 mask=mk[:, None] & mv[None, :], other=0.0)
     aqk = tl.load(aqk_ptr + s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :], mask=rv[:, None], other=0.0)
     offv = s * (H * V) + h * V + r[:, None] * (H * V) + cv[None, :]
     u = tl.load(us_ptr + offv, mask=mv2, other=0.0)
-    # Qg S0 in 16 bits costs no measurable error (notes); P U as stored (both bf16 with bf16 inputs: products exact,
-    # as in tf32)
-    o = _lp_dot(qg, s0, LP) + _lp_dot(aqk, u, LP)
+    # P U as stored (both bf16 with bf16 inputs: products exact, as in tf32)
+    o = _lp_dot(aqk, u, LP)
+    hs_ptr += (c * H + h).to(tl.int64) * (K * V)
+    for k0 in range(0, K, BK):
+        ck = k0 + tl.arange(0, BK)
+        mk = ck < K
+        offk = s * (H * K) + h * K + r[:, None] * (H * K) + ck[None, :]
+        m2 = rv[:, None] & mk[None, :]
+        eg = _exp(tl.load(gam_ptr + offk, mask=m2, other=0.0), FTZ) * scale
+        qg = (tl.load(q_ptr + offk, mask=m2, other=0.0).to(tl.float32) * eg).to(q_ptr.dtype.element_ty)
+        s0 = tl.load(hs_ptr + ck[:, None] * V + cv[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
+        # Q e^Γ S0 in 16 bits costs no measurable error (notes)
+        o += _lp_dot(qg, s0, LP)
     tl.store(o_ptr + offv, o.to(o_ptr.dtype.element_ty), mask=mv2)
 
 
@@ -1047,16 +1053,16 @@ def _loop(tables, q, gam, aqk, o, kd, dl, w, u0, h0, ht, hs, scale):
         **LAUNCH["fwd_state" if hs is not None else "fwd_state_o"])
 
 
-def _out(tables, qg, aqk, hs, us, o):
-    """``O = Qg S0 + P U`` of every chunk of ``tables``, in parallel, from the per-chunk states ``hs``."""
+def _out(tables, q, gam, aqk, hs, us, o, scale):
+    """``O = (scale Q e^Γ) S0 + P U`` of every chunk of ``tables``, in parallel, from the per-chunk states ``hs``."""
     _, _, cstart, cend, NC = tables
-    H, K = qg.shape[1:]
+    H, K = q.shape[1:]
     V = o.shape[-1]
     BK, BVf, _ = _launch_cfg(K, V)
-    BVo = min(BVf, 64)
+    BVo = min(BVf, 128)
     if NC > 0:
-        _fwd_o_kernel[(NC * triton.cdiv(V, BVo), H)](qg, aqk, hs, us, o, cstart, cend, H, K, V, BK, BVo, LP=_lp(qg),
-                                                   **LAUNCH["fwd_o"])
+        _fwd_o_kernel[(NC * triton.cdiv(V, BVo), H)](q, gam, aqk, hs, us, o, cstart, cend, scale, H, K, V,
+                                                   min(BK, SLICE["o_k"]), BVo, FTZ=_lp(q), LP=_lp(q), **LAUNCH["fwd_o"])
 
 
 def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state, for_backward=False,
@@ -1094,8 +1100,8 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     # Per-chunk states: kept when the backward needs them, or when they take at most Γ's bytes plus
     # STATES_LIMIT_BYTES; then O runs in a parallel kernel and the loop prefetches.
     keep_states = for_backward or NC * H * K * V * w.element_size() <= STATES_LIMIT_BYTES + TT * H * K * 4
-    # Q e^Γ (times scale) for the backward and for the parallel O kernel (16 bits: a third of the bytes of Q and Γ)
-    qg = torch.empty(TT, H, K, **lp) if keep_states else None
+    # Q e^Γ (times scale) for the backward (16 bits); a forward without autograd forms it in the O kernel
+    qg = torch.empty(TT, H, K, **lp) if for_backward else None
     dl = torch.empty(max(NC, 1), H, K, **f32)
     out = dict(aqk=aqk, w=w, qg=qg, kd=kd, dl=dl)
     keep_tinv = for_backward or keep_prep or prep is not None
@@ -1117,8 +1123,6 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     out["tinv"] = tinv if keep_tinv else None
     del tinv
     out["gam"] = gam if for_backward else None
-    if keep_states and not for_backward:
-        gam = None  # read again only by a loop that writes O: its bytes go to the per-chunk states
     if hs_kept is not None:  # the backward, with the forward's states: _wu_kernel computed U, no loop
         out.update(o=None, ht=None, hs=hs_kept, us=u0)
         return out
@@ -1127,7 +1131,7 @@ def _forward(q, k, v, g, beta, gate, scale, h0, tables, safe, output_final_state
     o = None if for_backward else torch.empty(TT, H, V, device=q.device, dtype=q.dtype)
     _loop(tables, q, gam, aqk, o, kd, dl, w, u0, h0, ht, hs, scale)
     if o is not None and keep_states:
-        _out(tables, qg, aqk, hs, u0, o)
+        _out(tables, q, gam, aqk, hs, u0, o, scale)
     out.update(o=o, ht=ht, hs=hs, us=u0)  # U0 was overwritten with U
     return out
 
@@ -1141,10 +1145,12 @@ def _slabbed_forward(slabs, x, gate, scale, safe, intra, aqk, tinv, w, kd, u0, q
     V = u0.shape[-1]
     carry = [torch.empty(1, H, K, V, device=q.device, dtype=torch.float32) for _ in range(2)]
 
+    gams = {}  # a forward without autograd: each slab's Γ, until its O kernel
+
     def prep(j, tab, R, C):
         tinv_j = torch.empty(R.stop - R.start, H, 64, **t16) if tinv is None else tinv[R]
-        _prep(*(t[R] for t in x), gate, scale, safe, tab, aqk[R], tinv_j, w[R], kd[R], u0[R], qg[R], dl[C], None, intra,
-              gam=None if gam is None else gam[R])
+        gams[j] = _prep(*(t[R] for t in x), gate, scale, safe, tab, aqk[R], tinv_j, w[R], kd[R], u0[R],
+                        None if qg is None else qg[R], dl[C], None, intra, gam=None if gam is None else gam[R])
 
     def loop(j, tab, R, C):
         h_in = h0 if j == 0 else carry[(j - 1) % 2]
@@ -1154,7 +1160,7 @@ def _slabbed_forward(slabs, x, gate, scale, safe, intra, aqk, tinv, w, kd, u0, q
 
     def out(j, tab, R, C):
         if o is not None:
-            _out(tab, qg[R], aqk[R], hs[C], u0[R], o[R])
+            _out(tab, q[R], gams.pop(j), aqk[R], hs[C], u0[R], o[R], scale)
 
     _pipeline(q.device, slabs, range(len(slabs)), prep, loop, out, wait_each=True)
 
