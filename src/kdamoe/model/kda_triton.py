@@ -60,7 +60,7 @@ LAUNCH = {
     "wu": dict(num_warps=4, num_stages=3),  # 3 stages with U0 on bf16 MMA: 4x8K fwd 1.72 -> 1.68 ms (session 15)
     "fwd_state": dict(num_warps=4),
     "fwd_state_o": dict(num_warps=8),  # the loop writing O (no per-chunk states kept: a 1M-token forward)
-    # the O kernel forming scale Q e^Γ at 2 stages (~80 KB of shared memory, two programs per SM): 4x8K / 1x32K /
+    # the O kernel forming scale Q e^Γ at 2 stages (88 KB of shared memory, two programs per SM): 4x8K / 1x32K /
     # 1x128K forward 1.264 / 1.469 / 5.54 ms; at 3 stages (one per SM) 1.348 / 1.517 (H200, session 18)
     "fwd_o": dict(num_warps=4, num_stages=2),
     "bwd_du0": dict(num_warps=2),
