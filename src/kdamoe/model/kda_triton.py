@@ -457,8 +457,9 @@ def _fwd_state_kernel(q_ptr, gam_ptr, aqk_ptr, o_ptr, kd_ptr, dl_ptr, w_ptr, u_p
     offk = r[:, None] * (H * K) + ck[None, :]
     offv = r[:, None] * (H * V) + cv[None, :]
     offs_s, ms, state_off, S = _state_block(h0_ptr, n, h, H, ck, cv, K, V, BK, BV, HAS_H0)
-    # e^{Γ_C} of chunk i at dl_at + i H K, loaded a chunk ahead: it feeds no dot, so the pipeliner leaves it a
-    # synchronous load, which on the serial chain would stall every chunk step
+    # e^{Γ_C} of chunk i at dl_at + i H K, loaded a chunk ahead: the pipeliner stages the tiles (W, U0, Kd) through
+    # cp.async but leaves this vector (one element per thread) a synchronous load, which on the serial chain stalled
+    # every chunk step
     dl_at = dl_ptr + (coff * H + h) * K + ck
     dl = tl.load(dl_at, mask=mk & (0 * ck < nt), other=0.0)
     for i in range(0, nt):
@@ -557,7 +558,7 @@ def _bwd_state_kernel(qg_ptr, kd_ptr, dl_ptr, w_ptr, do_ptr, dht_ptr, dh0_ptr, d
     offs2, ms2, state_off, dS2 = _state_block(dht_ptr, n, h, H, ck2, cv, K, V, BK // 2, BV, HAS_DHT)
     for j in range(0, nt):
         i = nt - 1 - j
-        # e^{Γ_C}, issued first: it feeds no dot (a synchronous load) and is used last
+        # e^{Γ_C}, issued first: not pipelined (a synchronous load, as in the forward loop) and used last
         dl = dl_ptr + ((coff + i) * H + h) * K
         dl1 = tl.load(dl + ck1, mask=mk1, other=0.0)
         dl2 = tl.load(dl + ck2, mask=mk2, other=0.0)
