@@ -603,11 +603,21 @@ def _bwd_du0_kernel(aqk_ptr, do_ptr, dus_ptr, cstart_ptr, cend_ptr, H, V: tl.con
 
 
 @triton.jit
+def _dot16(a, b, LP: tl.constexpr):
+    """``a @ b`` on bf16 tensor cores (both operands rounded to bf16, fp32 accumulation) with LP, else in fp32
+    (tf32 on a GPU)."""
+    if LP:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    return tl.dot(a.to(tl.float32), b.to(tl.float32))
+
+
+@triton.jit
 def _bwd_v_kernel(v_ptr, b_ptr, tinv_ptr, hs_ptr, dhs_ptr, us_ptr, dus_ptr, do_ptr, dv_ptr, dqg_ptr, dkd_ptr, dw_ptr,
                   dt_ptr, dp_ptr, db_ptr, dgc_ptr, cstart_ptr, cend_ptr, scale, H, K: tl.constexpr, V: tl.constexpr,
-                  BK: tl.constexpr, BV: tl.constexpr):
+                  BK: tl.constexpr, BV: tl.constexpr, LPS: tl.constexpr, LPA: tl.constexpr):
     """Per chunk, the sums over V: ``dQg = dO S0ᵀ``, ``dKd = U dS_Cᵀ``, ``dW = −dU S0ᵀ``, ``dP = dO Uᵀ`` (times
-    scale, lower), ``dT = dU (β V)ᵀ``, ``dv = β Tᵀ dU`` (final), ``dβ = Σ V Tᵀ dU`` and ``Σ_v S0 dS_C``."""
+    scale, lower), ``dT = dU (β V)ᵀ``, ``dv = β Tᵀ dU`` (final), ``dβ = Σ V Tᵀ dU`` and ``Σ_v S0 dS_C``. LPS: the
+    first four but dP on bf16 tensor cores (U, dU, βV rounded to bf16); LPA: dP and Tᵀ dU too."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.load(cstart_ptr + c).to(tl.int64)
@@ -620,7 +630,7 @@ def _bwd_v_kernel(v_ptr, b_ptr, tinv_ptr, hs_ptr, dhs_ptr, us_ptr, dus_ptr, do_p
     offk = s * (H * K) + h * K + r[:, None] * (H * K) + ck[None, :]
     off64 = s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :]
     beta = tl.load(b_ptr + s * H + r * H + h, mask=rv, other=0.0).to(tl.float32)
-    tinv = tl.load(tinv_ptr + off64, mask=rv[:, None], other=0.0).to(tl.float32)
+    tinv = tl.load(tinv_ptr + off64, mask=rv[:, None], other=0.0)
     state_off = (c * H + h).to(tl.int64) * (K * V)
     dqg = tl.zeros((64, BK), dtype=tl.float32)
     dkd = tl.zeros((64, BK), dtype=tl.float32)
@@ -636,21 +646,21 @@ def _bwd_v_kernel(v_ptr, b_ptr, tinv_ptr, hs_ptr, dhs_ptr, us_ptr, dus_ptr, do_p
         ms = mk[:, None] & mv[None, :]
         offv = s * (H * V) + h * V + r[:, None] * (H * V) + cv[None, :]
         offs_s = ck[:, None] * V + cv[None, :]
-        s0 = tl.load(hs_ptr + state_off + offs_s, mask=ms, other=0.0).to(tl.float32)
-        dsc = tl.load(dhs_ptr + state_off + offs_s, mask=ms, other=0.0).to(tl.float32)
-        do = tl.load(do_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
+        s0 = tl.load(hs_ptr + state_off + offs_s, mask=ms, other=0.0)
+        dsc = tl.load(dhs_ptr + state_off + offs_s, mask=ms, other=0.0)
+        do = tl.load(do_ptr + offv, mask=mv2, other=0.0)
         u = tl.load(us_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
         du = tl.load(dus_ptr + offv, mask=mv2, other=0.0)
         vv = tl.load(v_ptr + offv, mask=mv2, other=0.0).to(tl.float32)
-        dqg += tl.dot(do, tl.trans(s0))
-        dp += tl.dot(do, tl.trans(u))
-        dkd += tl.dot(u, tl.trans(dsc))
-        dw -= tl.dot(du, tl.trans(s0))
-        tdu = tl.dot(tl.trans(tinv), du)
+        dqg += _dot16(do, tl.trans(s0), LPS)
+        dp += _dot16(do, tl.trans(u), LPA)
+        dkd += _dot16(u, tl.trans(dsc), LPS)
+        dw -= _dot16(du, tl.trans(s0), LPS)
+        tdu = _dot16(tl.trans(tinv), du, LPA)
         tl.store(dv_ptr + offv, (tdu * beta[:, None]).to(dv_ptr.dtype.element_ty), mask=mv2)
         dbeta += tl.sum(vv * tdu, axis=1)
-        dt += tl.dot(du, tl.trans(vv * beta[:, None]))
-        dgc += tl.sum(s0 * dsc, axis=1)
+        dt += _dot16(du, tl.trans(vv * beta[:, None]), LPS)
+        dgc += tl.sum(s0.to(tl.float32) * dsc.to(tl.float32), axis=1)
     tl.store(dqg_ptr + offk, dqg, mask=m2)
     tl.store(dkd_ptr + offk, dkd, mask=m2)
     tl.store(dw_ptr + offk, dw, mask=m2)
@@ -1272,13 +1282,14 @@ def _bwd_chunks(tables, R, C, x, gate, scale, safe, fw, do, dhs, dus, grads, par
     BK, _, BV = _launch_cfg(K, V)
     mode, a, dtb, lb = gate
     f32 = dict(device=q.device, dtype=torch.float32)
+    lps = _lp(q) and q.dtype == torch.bfloat16
     dqg, dkd, dw, dgam, dge = (torch.empty(TT, H, K, **f32) for _ in range(5))
     da = torch.empty(TT, H, 64, **f32)  # dT from _bwd_v, then dA in place (_bwd_da); dw becomes Tᵀ dW there
     dp = torch.empty(TT, H, 64, **f32)
     db32 = torch.empty(TT, H, **f32)
     dgc = torch.empty(NC, H, K, **f32)
     _bwd_v_kernel[(NC, H)](v, beta, tinv, hs, dhs, us, dus, do, dv, dqg, dkd, dw, da, dp, db32, dgc, cstart, cend,
-                           scale, H, K, V, BK, BV, **LAUNCH["bwd_v"])
+                           scale, H, K, V, BK, BV, LPS=lps, LPA=False, **LAUNCH["bwd_v"])
     xpre = torch.empty(NC, H, 3, K, **f32)
     _bwd_da_kernel[(NC, H)](k, beta, gam, tinv, dw, dkd, da, xpre, cstart, cend, H, K, BK,
                             min(BK, SLICE["bwd_da_k"]), FTZ=_lp(q), **LAUNCH["bwd_da"])
