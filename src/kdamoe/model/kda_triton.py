@@ -1289,7 +1289,7 @@ def _bwd_chunks(tables, R, C, x, gate, scale, safe, fw, do, dhs, dus, grads, par
     db32 = torch.empty(TT, H, **f32)
     dgc = torch.empty(NC, H, K, **f32)
     _bwd_v_kernel[(NC, H)](v, beta, tinv, hs, dhs, us, dus, do, dv, dqg, dkd, dw, da, dp, db32, dgc, cstart, cend,
-                           scale, H, K, V, BK, BV, LPS=lps, LPA=False, **LAUNCH["bwd_v"])
+                           scale, H, K, V, BK, BV, LPS=lps, LPA=lps, **LAUNCH["bwd_v"])
     xpre = torch.empty(NC, H, 3, K, **f32)
     _bwd_da_kernel[(NC, H)](k, beta, gam, tinv, dw, dkd, da, xpre, cstart, cend, H, K, BK,
                             min(BK, SLICE["bwd_da_k"]), FTZ=_lp(q), **LAUNCH["bwd_da"])
