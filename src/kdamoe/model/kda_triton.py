@@ -675,7 +675,8 @@ def _bwd_v_kernel(v_ptr, b_ptr, tinv_ptr, hs_ptr, dhs_ptr, us_ptr, dus_ptr, do_p
 
 @triton.jit
 def _bwd_da_kernel(k_ptr, b_ptr, gam_ptr, tinv_ptr, dw_ptr, dkd_ptr, da_ptr, xpre_ptr, cstart_ptr, cend_ptr, H,
-                   K: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, FTZ: tl.constexpr):
+                   K: tl.constexpr, BK: tl.constexpr, KB: tl.constexpr, FTZ: tl.constexpr, LPS: tl.constexpr,
+                   LPA: tl.constexpr):
     """The chunk-wide reductions that the per-row kernel ``_bwd_intra_kernel`` needs: ``dT += dW (β K e^Γ)ᵀ``, then
     ``dA = −Tᵀ dT Tᵀ`` (strictly lower, in place of dT); ``Tᵀ dW`` (in place of dW); and the sums ``Σ_{s<16 I}
     k_s dKd_s e^{Γ_C − Γ_s}`` for row blocks I = 1, 2, 3 (``xpre [chunks, H, 3, K]``: the prefix terms of dg that
@@ -689,7 +690,7 @@ def _bwd_da_kernel(k_ptr, b_ptr, gam_ptr, tinv_ptr, dw_ptr, dkd_ptr, da_ptr, xpr
     off64 = s * (H * 64) + h * 64 + r[:, None] * (H * 64) + r[None, :]
     beta = tl.load(b_ptr + s * H + r * H + h, mask=rv, other=0.0).to(tl.float32)
     dt = tl.load(da_ptr + off64, mask=rv[:, None], other=0.0)
-    tinv = tl.load(tinv_ptr + off64, mask=rv[:, None], other=0.0).to(tl.float32)
+    tinv = tl.load(tinv_ptr + off64, mask=rv[:, None], other=0.0)
     for kh in range(0, BK, KB):
         ck = kh + tl.arange(0, KB)
         mk = ck < K
@@ -698,14 +699,14 @@ def _bwd_da_kernel(k_ptr, b_ptr, gam_ptr, tinv_ptr, dw_ptr, dkd_ptr, da_ptr, xpr
         kk = tl.load(k_ptr + offk, mask=m2, other=0.0).to(tl.float32)
         gam = tl.load(gam_ptr + offk, mask=m2, other=0.0)
         dw = tl.load(dw_ptr + offk, mask=m2, other=0.0)
-        dt += tl.dot(dw, tl.trans(kk * _exp(gam, FTZ) * beta[:, None]))
-        tl.store(dw_ptr + offk, tl.dot(tl.trans(tinv), dw), mask=m2)
+        dt += _dot16(dw, tl.trans(kk * _exp(gam, FTZ) * beta[:, None]), LPS)
+        tl.store(dw_ptr + offk, _dot16(tl.trans(tinv), dw, LPS), mask=m2)
         glast = tl.load(gam_ptr + s * (H * K) + h * K + (e - 1 - s) * (H * K) + ck, mask=mk, other=0.0)
         x = kk * tl.load(dkd_ptr + offk, mask=m2, other=0.0) * _exp(tl.where(m2, glast[None, :] - gam, 0.0), FTZ)
         # inclusive sums at rows 15, 31, 47 = the sums over the rows before blocks 1, 2, 3
         tl.store(xpre_ptr + ((c * H + h).to(tl.int64) * 3 + r[:, None] // 16) * K + ck[None, :], tl.cumsum(x, axis=0),
                  mask=((r % 16 == 15) & (r < 48))[:, None] & mk[None, :])
-    da = -tl.dot(tl.trans(tinv), tl.dot(dt, tl.trans(tinv)))
+    da = -_dot16(tl.trans(tinv), _dot16(dt, tl.trans(tinv), LPA), LPA)
     tl.store(da_ptr + off64, tl.where(r[:, None] > r[None, :], da, 0.0), mask=rv[:, None])
 
 
@@ -1296,7 +1297,7 @@ def _bwd_chunks(tables, R, C, x, gate, scale, safe, fw, do, dhs, dus, grads, par
                            **LAUNCH["bwd_v_lp" if lps else "bwd_v"])
     xpre = torch.empty(NC, H, 3, K, **f32)
     _bwd_da_kernel[(NC, H)](k, beta, gam, tinv, dw, dkd, da, xpre, cstart, cend, H, K, BK,
-                            min(BK, SLICE["bwd_da_k"]), FTZ=_lp(q), **LAUNCH["bwd_da"])
+                            min(BK, SLICE["bwd_da_k"]), FTZ=_lp(q), LPS=lps, LPA=False, **LAUNCH["bwd_da"])
     _bwd_intra_kernel[(NC * 4, H)](q, k, beta, gam, dqg, dkd, dw, dp, da, dgc, xpre, dgam, dge, db32, dq, dk, db,
                                   cstart, cend, scale, H, K, BK, min(BK, SLICE["bwd_intra_k"]), SAFE=safe,
                                   FTZ=_lp(q), **LAUNCH["bwd_intra"])
