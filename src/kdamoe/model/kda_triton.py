@@ -607,7 +607,8 @@ def _bwd_du0_kernel(aqk_ptr, do_ptr, dus_ptr, cstart_ptr, cend_ptr, H, V: tl.con
 @triton.jit
 def _dot16(a, b, LP: tl.constexpr):
     """``a @ b`` on bf16 tensor cores (both operands rounded to bf16, fp32 accumulation) with LP, else in fp32
-    (tf32 on a GPU)."""
+    (tf32 on a GPU): the backward's products of operands that are not all stored in 16 bits (``_lp_dot``: a is);
+    bf16 only, as fp16 would flush small gradients."""
     if LP:
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
     return tl.dot(a.to(tl.float32), b.to(tl.float32))
