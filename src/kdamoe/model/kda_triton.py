@@ -974,6 +974,12 @@ def _lp(x):
     return x.is_cuda
 
 
+def _lps(x):
+    """Whether the backward's dots round operands that are not stored in 16 bits (dS, dU, U, dW) to bf16 too (the
+    kernels' `LPS`): on a GPU with bf16 inputs only, as fp16 would flush small gradients."""
+    return _lp(x) and x.dtype == torch.bfloat16
+
+
 def _few_loop_programs(BV, N, H, V, device):
     """Whether a chunk loop over (V/BV blocks, N sequences, H heads) leaves SMs of a GPU idle (few long sequences)."""
     if device.type != "cuda":
@@ -1260,7 +1266,7 @@ def _rev_loop(tables, fw, do, dht, dh0, dhs, dus):
     # with bf16 dots (LPS) the reverse loop is built and launched as fla-core's: 64-wide V blocks, 4 warps, 3 stages
     # (its loads then feed the dots and are pipelined: 197 KB of shared memory at K = V = 128, compile_kda.py).
     # Otherwise 32-wide blocks: at 16 it was slower, and wrong at 8 warps in triton 3.6 (H200)
-    lps = _lp(w) and w.dtype == torch.bfloat16
+    lps = _lps(w)
     BVr = min(BVf, 64) if lps else BV
     few = _few_loop_programs(BVr, N, H, V, w.device)
     # 2 stages only when the [64, BK] tiles it prefetches are at most 256 B a row (16-bit at BK <= 128): fp32 inputs
@@ -1289,7 +1295,7 @@ def _bwd_chunks(tables, R, C, x, gate, scale, safe, fw, do, dhs, dus, grads, par
     BK, _, BV = _launch_cfg(K, V)
     mode, a, dtb, lb = gate
     f32 = dict(device=q.device, dtype=torch.float32)
-    lps = _lp(q) and q.dtype == torch.bfloat16
+    lps = _lps(q)
     dqg, dkd, dw, dgam, dge = (torch.empty(TT, H, K, **f32) for _ in range(5))
     da = torch.empty(TT, H, 64, **f32)  # dT from _bwd_v, then dA in place (_bwd_da); dw becomes Tᵀ dW there
     dp = torch.empty(TT, H, 64, **f32)
