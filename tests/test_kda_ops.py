@@ -1,4 +1,4 @@
-"""KDA ops (torch paths) against the naive per-token recurrence of DESIGN §2."""
+"""KDA ops (torch paths) against the naive per-token recurrence of docs/design.md §2."""
 
 import pytest
 import torch

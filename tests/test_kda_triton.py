@@ -20,7 +20,9 @@ if not ON_GPU and "triton" not in sys.modules:
 pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from kdamoe.model import kda, kda_triton  # noqa: E402
+from kdamoe.model import kda, kda_chunk_bwd, kda_chunk_fwd, kda_launch  # noqa: E402
+from kdamoe.model.kda_chunk import chunk_kda_triton  # noqa: E402
+from kdamoe.model.kda_fused_recurrent import recurrent_kda_triton  # noqa: E402
 
 NEEDS_SUBPROCESS = not ON_GPU and type(tl.cumsum).__name__ != "InterpretedFunction"
 kernel_test = pytest.mark.skipif(NEEDS_SUBPROCESS, reason="triton was imported without TRITON_INTERPRET: "
@@ -47,16 +49,16 @@ def assert_gradients_match(outs, ref_outs, leaves, ref_leaves, tol):
         assert rel(x.grad, y.grad) < tol, name
 
 
-def count_launches(monkeypatch, name):
-    """Count the launches of kernel ``name`` of ``kda_triton`` (the returned list gets one entry per launch)."""
-    kernel, launches = getattr(kda_triton, name), []
+def count_launches(monkeypatch, module, name):
+    """Count the launches of kernel ``name`` from ``module`` (the returned list gets one entry per launch)."""
+    kernel, launches = getattr(module, name), []
 
     class Counted:
         def __getitem__(self, grid):
             launches.append(1)
             return kernel[grid]
 
-    monkeypatch.setattr(kda_triton, name, Counted())
+    monkeypatch.setattr(module, name, Counted())
     return launches
 
 
@@ -67,14 +69,13 @@ def test_chunk_tables_fixed_length_cached_and_equal_to_a_loop(B, T):
     cstart = [n * T + t for n in range(B) for t in range(0, T, 64)]
     cend = [min(c + 64, (c // T + 1) * T) for c in cstart]
     coff = [n * -(-T // 64) for n in range(B + 1)]
-    fixed = kda_triton._chunk_tables(B, T, None, torch.device("cpu"))
-    varlen = kda_triton._chunk_tables(1, B * T, torch.arange(B + 1) * T, torch.device("cpu"))
+    fixed = kda_launch.chunk_tables(B, T, None, torch.device("cpu"))
+    varlen = kda_launch.chunk_tables(1, B * T, torch.arange(B + 1) * T, torch.device("cpu"))
     for tables in (fixed, varlen):
-        cu, co, cs, ce, nc = tables
-        assert cu.tolist() == [n * T for n in range(B + 1)] and co.tolist() == coff
-        assert cs.tolist() == cstart and ce.tolist() == cend and nc == len(cstart)
-        assert cs.dtype == torch.int32
-    assert kda_triton._chunk_tables(B, T, None, torch.device("cpu"))[2] is fixed[2]
+        assert tables.cu.tolist() == [n * T for n in range(B + 1)] and tables.coff.tolist() == coff
+        assert tables.cstart.tolist() == cstart and tables.cend.tolist() == cend and tables.num_chunks == len(cstart)
+        assert tables.num_seqs == B and tables.cstart.dtype == torch.int32
+    assert kda_launch.chunk_tables(B, T, None, torch.device("cpu")).cstart is fixed.cstart
 
 
 @pytest.mark.skipif(not NEEDS_SUBPROCESS, reason="the kernels run in this process")
@@ -119,7 +120,7 @@ def oracle(q, k, v, g, beta, h0=None, cu_seqlens=None):
 def test_forward_matches_oracle(gate, T, K, V):
     q, k, v, g, beta = make_inputs(2, T, 2, K, V, gate)
     h0 = torch.randn(2, 2, K, V, device=DEV)
-    o, ht = kda_triton.chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, gate=gate)
+    o, ht = chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, gate=gate)
     ro, rht = oracle(q, k, v, g, beta, h0)
     assert o.dtype == q.dtype and ht.dtype == torch.float32
     assert rel(o, ro) < TOL and rel(ht, rht) < TOL
@@ -134,8 +135,8 @@ def test_forward_without_kept_states_matches_oracle(monkeypatch):
     h0 = torch.randn(3, 2, 16, 32, device=DEV)
     ro, rht = kda.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
                             backend="torch")
-    monkeypatch.setattr(kda_triton, "STATES_LIMIT_BYTES", -(1 << 62))
-    o, ht = kda_triton.chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    monkeypatch.setattr(kda_chunk_fwd, "STATES_LIMIT_BYTES", -(1 << 62))
+    o, ht = chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
     assert rel(o, ro) < TOL and rel(ht, rht) < TOL
 
 
@@ -150,10 +151,10 @@ def test_forward_loop_v_blocks(monkeypatch, keep_states, bv):
     cu = torch.tensor([0, 70, 70, 200], device=DEV)
     h0 = torch.randn(3, 2, 16, 96, device=DEV)
     ro, rht = oracle(q, k, v, g, beta, h0, cu_seqlens=cu)
-    monkeypatch.setattr(kda_triton, "_fwd_loop_bv", lambda *args: bv)
+    monkeypatch.setattr(kda_chunk_fwd, "fwd_loop_bv", lambda *args: bv)
     if not keep_states:
-        monkeypatch.setattr(kda_triton, "STATES_LIMIT_BYTES", -(1 << 62))
-    o, ht = kda_triton.chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+        monkeypatch.setattr(kda_chunk_fwd, "STATES_LIMIT_BYTES", -(1 << 62))
+    o, ht = chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
     assert rel(o, ro) < TOL and rel(ht, rht) < TOL
 
 
@@ -166,7 +167,7 @@ def test_head_dims_over_several_slices(gate):
     prefetch once overflowed shared memory there)."""
     xs = [x.clone().requires_grad_() for x in make_inputs(1, 70, 1, 96, 80, gate)]
     h0 = torch.randn(1, 1, 96, 80, device=DEV, requires_grad=True)
-    o, ht = kda_triton.chunk_kda_triton(*xs, initial_state=h0, output_final_state=True, gate=gate)
+    o, ht = chunk_kda_triton(*xs, initial_state=h0, output_final_state=True, gate=gate)
     rxs = [x.detach().double().requires_grad_() for x in xs + [h0]]
     ro, rht = kda.naive_recurrent_kda(*rxs[:5], initial_state=rxs[5], output_final_state=True)
     assert rel(o, ro) < TOL and rel(ht, rht) < TOL
@@ -179,8 +180,8 @@ def test_backward_matches_oracle(gate, monkeypatch):
     inputs = make_inputs(1, 100, 2, 16, 32, gate) + [torch.randn(1, 2, 16, 32, device=DEV)]
     xs = [x.clone().requires_grad_() for x in inputs]
     ys = [x.double().clone().requires_grad_() for x in inputs]
-    loops = count_launches(monkeypatch, "_fwd_state_kernel")
-    o, ht = kda_triton.chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True, gate=gate)
+    loops = count_launches(monkeypatch, kda_chunk_fwd, "_fwd_state_kernel")
+    o, ht = chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True, gate=gate)
     ro, rht = kda.naive_recurrent_kda(*ys[:5], initial_state=ys[5], output_final_state=True)
     assert_gradients_match((o, ht), (ro, rht), xs, ys, GRAD_TOL)
     assert loops == [1]  # the backward computes U from the states that the forward kept: no second chunk loop
@@ -190,12 +191,12 @@ def test_backward_matches_oracle(gate, monkeypatch):
 def test_backward_without_kept_states_matches_oracle(monkeypatch):
     """Per-chunk states over ``STATES_LIMIT_BYTES`` are not kept for the backward: it runs the chunk loop again
     instead of computing U from the forward's states. Both ways must give the reference gradients."""
-    monkeypatch.setattr(kda_triton, "STATES_LIMIT_BYTES", -(1 << 62))
-    loops = count_launches(monkeypatch, "_fwd_state_kernel")
+    monkeypatch.setattr(kda_chunk_fwd, "STATES_LIMIT_BYTES", -(1 << 62))
+    loops = count_launches(monkeypatch, kda_chunk_fwd, "_fwd_state_kernel")
     inputs = make_inputs(1, 100, 2, 16, 32, "bounded") + [torch.randn(1, 2, 16, 32, device=DEV)]
     xs = [x.clone().requires_grad_() for x in inputs]
     ys = [x.double().clone().requires_grad_() for x in inputs]
-    o, ht = kda_triton.chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True)
+    o, ht = chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True)
     ro, rht = kda.naive_recurrent_kda(*ys[:5], initial_state=ys[5], output_final_state=True)
     assert_gradients_match((o, ht), (ro, rht), xs, ys, GRAD_TOL)
     assert loops == [1, 1]  # the forward's loop, and the backward's again
@@ -213,13 +214,13 @@ def test_slabbed_forward_backward_bit_identical_to_one_pass(monkeypatch, T, slab
     cotangents = [torch.randn(1, T, 2, 32, device=DEV), torch.randn(1, 2, 16, 32, device=DEV)]
     runs = []
     for slab in (None, 128):
-        monkeypatch.setattr(kda_triton, "SLAB_TOKENS", slab)
+        monkeypatch.setattr(kda_launch, "SLAB_TOKENS", slab)
         if not keep_states:
-            monkeypatch.setattr(kda_triton, "STATES_LIMIT_BYTES", -(1 << 62))
-        loops = count_launches(monkeypatch, "_fwd_state_kernel")
-        rev = count_launches(monkeypatch, "_bwd_state_kernel")
+            monkeypatch.setattr(kda_chunk_fwd, "STATES_LIMIT_BYTES", -(1 << 62))
+        loops = count_launches(monkeypatch, kda_chunk_fwd, "_fwd_state_kernel")
+        rev = count_launches(monkeypatch, kda_chunk_bwd, "_bwd_state_kernel")
         xs = [x.clone().requires_grad_() for x in inputs]
-        o, ht = kda_triton.chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True)
+        o, ht = chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True)
         torch.autograd.backward([o, ht], cotangents)
         runs.append([o, ht] + [x.grad for x in xs])
         monkeypatch.undo()
@@ -229,9 +230,9 @@ def test_slabbed_forward_backward_bit_identical_to_one_pass(monkeypatch, T, slab
     ys = [x.double().clone().requires_grad_() for x in inputs]
     ro, rht = kda.naive_recurrent_kda(*ys[:5], initial_state=ys[5], output_final_state=True)
     assert rel(runs[1][0], ro) < TOL and rel(runs[1][1], rht) < TOL
-    monkeypatch.setattr(kda_triton, "SLAB_TOKENS", 128)
-    assert kda_triton._slabs(1, T, 2, torch.device(DEV), 0) == [(s, min(s + 128, T)) for s in range(0, T, 128)]
-    assert kda_triton._slabs(2, T, 2, torch.device(DEV), 0) is None
+    monkeypatch.setattr(kda_launch, "SLAB_TOKENS", 128)
+    assert kda_launch.slab_ranges(1, T, 2, torch.device(DEV), 0) == [(s, min(s + 128, T)) for s in range(0, T, 128)]
+    assert kda_launch.slab_ranges(2, T, 2, torch.device(DEV), 0) is None
 
 
 @kernel_test
@@ -239,14 +240,14 @@ def test_second_backward_through_the_kept_intermediates_is_identical():
     """The forward keeps A_qk and T for the backward: a second backward (retain_graph) must not see them changed,
     and a forward under no_grad keeps nothing that a backward would need (it has none)."""
     xs = [x.clone().requires_grad_() for x in make_inputs(1, 100, 2, 16, 32, "bounded")]
-    o, _ = kda_triton.chunk_kda_triton(*xs)
+    o, _ = chunk_kda_triton(*xs)
     do = torch.randn_like(o)
     first = torch.autograd.grad(o, xs, do, retain_graph=True)
     second = torch.autograd.grad(o, xs, do)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
     with torch.no_grad():
-        assert kda_triton.chunk_kda_triton(*xs)[0].grad_fn is None
+        assert chunk_kda_triton(*xs)[0].grad_fn is None
 
 
 @kernel_test
@@ -257,7 +258,7 @@ def test_varlen_forward_backward(gate):
     inputs = make_inputs(1, sum(lengths), 2, 16, 16, gate) + [torch.randn(4, 2, 16, 16, device=DEV)]
     xs = [x.clone().requires_grad_() for x in inputs]
     ys = [x.double().clone().requires_grad_() for x in inputs]
-    o, ht = kda_triton.chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu, gate=gate)
+    o, ht = chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu, gate=gate)
     ro, rht = kda.naive_recurrent_kda(*ys[:5], initial_state=ys[5], output_final_state=True, cu_seqlens=cu)
     assert rel(o, ro) < TOL and rel(ht, rht) < TOL
     torch.autograd.backward([o, ht], [torch.ones_like(o), torch.ones_like(ht)])
@@ -281,7 +282,7 @@ def test_causality_bit_exact(gate):
     res = []
     for inputs in (a, b):
         xs = [x.clone().requires_grad_() for x in inputs]
-        o, _ = kda_triton.chunk_kda_triton(*xs, gate=gate)
+        o, _ = chunk_kda_triton(*xs, gate=gate)
         o[:, :t0].pow(2).sum().backward()
         res.append([o[:, :t0]] + [x.grad[:, :t0] for x in xs])
     for ra, rb in zip(*res):
@@ -297,7 +298,7 @@ def test_extreme_gates_gradients(gate, value):
     inputs = [q, k, v, torch.full_like(g, value), beta, torch.randn(1, 2, 32, 32, device=DEV)]
     xs = [x.clone().requires_grad_() for x in inputs]
     ys = [x.double().clone().requires_grad_() for x in inputs]
-    o, ht = kda_triton.chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True, gate=gate)
+    o, ht = chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True, gate=gate)
     ro, rht = kda.naive_recurrent_kda(*ys[:5], initial_state=ys[5], output_final_state=True)
     assert rel(o, ro) < TOL
     assert_gradients_match((o, ht), (ro, rht), xs, ys, GRAD_TOL)
@@ -307,7 +308,7 @@ def test_extreme_gates_gradients(gate, value):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_inputs(dtype):
     q, k, v, g, beta = make_inputs(1, 80, 2, 32, 32, dtype=dtype)
-    o, ht = kda_triton.chunk_kda_triton(q, k, v, g, beta, output_final_state=True)
+    o, ht = chunk_kda_triton(q, k, v, g, beta, output_final_state=True)
     ro, rht = oracle(q, k, v, g, beta)
     assert o.dtype == dtype
     assert rel(o, ro) < 1e-2 and rel(ht, rht) < 5e-3
@@ -326,7 +327,7 @@ def test_fused_gate_and_l2norm_match_torch_backend(gate):
     lb = -5.0 if gate == "bounded" else None
     kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=lb)
     leaves = [x.clone().requires_grad_() for x in (q, k, g_raw, A_log, dt_bias)]
-    o, _ = kda_triton.chunk_kda_triton(leaves[0], leaves[1], v, leaves[2], beta, gate=gate,
+    o, _ = chunk_kda_triton(leaves[0], leaves[1], v, leaves[2], beta, gate=gate,
                                        **{**kw, "A_log": leaves[3], "dt_bias": leaves[4]})
     o.sum().backward()
     ref_leaves = [x.double().clone().requires_grad_() for x in (q, k, g_raw, A_log, dt_bias)]
@@ -352,9 +353,9 @@ def test_fused_gate_backward_with_optional_parameters(gate, with_A_log):
     name = "A_log" if with_A_log else "dt_bias"
     kw = dict(use_gate_in_kernel=True, lower_bound=-5.0 if gate == "bounded" else None, gate=gate)
     grads = []
-    for fn, dtype in ((kda_triton.chunk_kda_triton, torch.float32), (kda.chunk_kda, torch.float64)):
+    for fn, dtype in ((chunk_kda_triton, torch.float32), (kda.chunk_kda, torch.float64)):
         leaves = [x.detach().to(dtype).clone().requires_grad_() for x in (g_raw, param)]
-        extra = {} if fn is kda_triton.chunk_kda_triton else dict(backend="torch")
+        extra = {} if fn is chunk_kda_triton else dict(backend="torch")
         o, _ = fn(q.to(dtype), k.to(dtype), v.to(dtype), leaves[0], beta.to(dtype), **kw, **{name: leaves[1]}, **extra)
         o.sum().backward()
         grads.append([x.grad for x in leaves])
@@ -376,13 +377,13 @@ def test_recurrent_matches_oracle_and_updates_state_in_place():
     q, k, v, g, beta = make_inputs(B, 3, H, K, V, "softplus")
     h0 = torch.randn(B, H, K, V, device=DEV)
     state = h0.clone()
-    o, ht = kda_triton.recurrent_kda_triton(q, k, v, g, beta, initial_state=state, output_final_state=True)
+    o, ht = recurrent_kda_triton(q, k, v, g, beta, initial_state=state, output_final_state=True)
     ro, rht = oracle(q, k, v, g, beta, h0)
     assert ht is state
     assert rel(o, ro) < 1e-5 and rel(ht, rht) < 1e-5
     cu = torch.tensor([0, 2, 6], device=DEV)
     flat = [x.reshape(1, B * 3, *x.shape[2:]) for x in (q, k, v, g, beta)]
-    o2, ht2 = kda_triton.recurrent_kda_triton(*flat, initial_state=h0[:, :, :, :].clone(), output_final_state=True,
+    o2, ht2 = recurrent_kda_triton(*flat, initial_state=h0[:, :, :, :].clone(), output_final_state=True,
                                               cu_seqlens=cu)
     ro2, rht2 = kda.naive_recurrent_kda(*[x.double() for x in flat], initial_state=h0.double(),
                                         output_final_state=True, cu_seqlens=cu)
@@ -398,12 +399,12 @@ def test_no_tokens_pass_the_state_through(cu_seqlens):
     B = 2 if cu is None else 1
     q, k, v, g, beta = make_inputs(B, 0, 2, 16, 32)
     h0 = torch.randn(2, 2, 16, 32, device=DEV, requires_grad=True)
-    for op in (kda_triton.chunk_kda_triton, kda_triton.recurrent_kda_triton):
+    for op in (chunk_kda_triton, recurrent_kda_triton):
         o, ht = op(q, k, v, g, beta, initial_state=h0.detach().clone(), output_final_state=True, cu_seqlens=cu)
         assert o.shape == (B, 0, 2, 32) and torch.equal(ht, h0.detach())
         o, ht = op(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu)
         assert torch.equal(ht, torch.zeros_like(ht))
-    o, ht = kda_triton.chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    o, ht = chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
     w = torch.randn_like(ht)
     (ht * w).sum().backward()
     assert torch.equal(h0.grad, w)
@@ -413,13 +414,13 @@ def test_no_tokens_pass_the_state_through(cu_seqlens):
 def test_bad_inputs_raise():
     q, k, v, g, beta = make_inputs(2, 8, 2, 16, 16)
     with pytest.raises(ValueError, match="beta"):
-        kda_triton.chunk_kda_triton(q, k, v, g, beta[..., :1])
+        chunk_kda_triton(q, k, v, g, beta[..., :1])
     with pytest.raises(ValueError, match="batch size"):
-        kda_triton.chunk_kda_triton(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 8], device=DEV))
+        chunk_kda_triton(q, k, v, g, beta, cu_seqlens=torch.tensor([0, 8], device=DEV))
     with pytest.raises(ValueError, match="gate"):
-        kda_triton.chunk_kda_triton(q, k, v, g, beta, gate="relu")
+        chunk_kda_triton(q, k, v, g, beta, gate="relu")
     with pytest.raises(ValueError, match="initial_state"):
-        kda_triton.recurrent_kda_triton(q, k, v, g, beta, initial_state=torch.zeros(1, 2, 16, 16, device=DEV))
+        recurrent_kda_triton(q, k, v, g, beta, initial_state=torch.zeros(1, 2, 16, 16, device=DEV))
 
 
 # ------------------------------------------------------------------------------------------ GPU-only sweeps
@@ -430,7 +431,7 @@ def test_bad_inputs_raise():
 def test_gpu_forward_sweep(gate, T, D):
     q, k, v, g, beta = make_inputs(1, T, 2, D, D, gate, dtype=torch.bfloat16, seed=T)
     h0 = torch.randn(1, 2, D, D, device=DEV)
-    o, ht = kda_triton.chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, gate=gate)
+    o, ht = chunk_kda_triton(q, k, v, g, beta, initial_state=h0, output_final_state=True, gate=gate)
     ro, rht = oracle(q, k, v, g, beta, h0)
     assert rel(o, ro) < 5e-3 and rel(ht, rht) < 5e-3
 
@@ -446,7 +447,7 @@ def test_gpu_extreme_gates_and_varlen(gate, extreme):
     g = torch.zeros_like(g) if extreme == "zero" else torch.full_like(g, floor)
     h0 = torch.randn(len(lengths), 4, 128, 128, device=DEV)
     xs = [x.clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
-    o, ht = kda_triton.chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu, gate=gate)
+    o, ht = chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True, cu_seqlens=cu, gate=gate)
     ys = [x.double().clone().requires_grad_() for x in (q, k, v, g, beta, h0)]
     ro, rht = kda.chunk_kda(*ys[:5], initial_state=ys[5], output_final_state=True, cu_seqlens=cu, backend="torch")
     assert rel(o, ro) < 5e-3 and rel(ht, rht) < 5e-3
@@ -460,7 +461,7 @@ def test_gpu_backward(gate, T):
     inputs = make_inputs(1, T, 2, 128, 128, gate, dtype=torch.bfloat16, seed=7) + [torch.randn(1, 2, 128, 128, device=DEV)]
     xs = [x.clone().requires_grad_() for x in inputs]
     ys = [x.double().clone().requires_grad_() for x in inputs]
-    o, ht = kda_triton.chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True, gate=gate)
+    o, ht = chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True, gate=gate)
     ro, rht = oracle(*ys[:5], h0=ys[5])
     assert_gradients_match((o, ht), (ro, rht), xs, ys, 1e-2)
 
@@ -476,7 +477,7 @@ def test_gpu_backward_with_more_loop_programs_than_sms(D):
     inputs = make_inputs(B, 200, H, D, D, dtype=torch.bfloat16, seed=3) + [torch.randn(B, H, D, D, device=DEV)]
     xs = [x.clone().requires_grad_() for x in inputs]
     ys = [x.double().clone().requires_grad_() for x in inputs]
-    o, ht = kda_triton.chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True)
+    o, ht = chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True)
     ro, rht = oracle(*ys[:5], h0=ys[5])
     assert rel(o, ro) < 5e-3 and rel(ht, rht) < 5e-3
     assert_gradients_match((o, ht), (ro, rht), xs, ys, 1e-2)
@@ -489,15 +490,15 @@ def test_gpu_long_sequence_in_slabs_bit_identical_to_one_pass(monkeypatch):
     bf16 bound of the float64 chunked reference."""
     T, H, D = 20000, 16, 128
     dev = torch.device(DEV)
-    assert len(kda_triton._slabs(1, T, H, dev, kda_triton.SLAB_MIN_TOKEN_HEADS["forward"])) == 2
-    assert len(kda_triton._slabs(1, T, H, dev, kda_triton.SLAB_MIN_TOKEN_HEADS["backward"])) == 3
+    assert len(kda_launch.slab_ranges(1, T, H, dev, kda_launch.SLAB_MIN_TOKEN_HEADS["forward"])) == 2
+    assert len(kda_launch.slab_ranges(1, T, H, dev, kda_launch.SLAB_MIN_TOKEN_HEADS["backward"])) == 3
     inputs = make_inputs(1, T, H, D, D, dtype=torch.bfloat16, seed=11) + [torch.randn(1, H, D, D, device=DEV)]
     cotangents = [torch.randn(1, T, H, D, device=DEV, dtype=torch.bfloat16), torch.randn(1, H, D, D, device=DEV)]
     runs = []
     for slab in (1 << 40, None):  # one pass, then the automatic slabs
-        monkeypatch.setattr(kda_triton, "SLAB_TOKENS", slab)
+        monkeypatch.setattr(kda_launch, "SLAB_TOKENS", slab)
         xs = [x.clone().requires_grad_() for x in inputs]
-        o, ht = kda_triton.chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True)
+        o, ht = chunk_kda_triton(*xs[:5], initial_state=xs[5], output_final_state=True)
         torch.autograd.backward([o, ht], cotangents)
         runs.append([o, ht] + [x.grad for x in xs])
     for name, a, b in zip("o ht q k v g beta h0".split(), *runs):
@@ -512,7 +513,7 @@ def test_gpu_one_million_tokens_at_the_floor_is_finite():
     q, k, v, g, beta = make_inputs(1, T, 2, 128, 128, dtype=torch.bfloat16)
     g = torch.full_like(g, -5.0)
     with torch.no_grad():
-        o, ht = kda_triton.chunk_kda_triton(q, k, v, g, beta, output_final_state=True, gate="bounded")
+        o, ht = chunk_kda_triton(q, k, v, g, beta, output_final_state=True, gate="bounded")
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
     ro, _ = kda.naive_recurrent_kda(*[x[:, -300:].double() for x in (q, k, v, g, beta)])
     # with decay e^-5 per token the state forgets within a few hundred tokens: the tail matches a fresh start

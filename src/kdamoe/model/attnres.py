@@ -1,4 +1,4 @@
-"""Attention Residuals: softmax attention over depth in place of the residual sum (DESIGN §4).
+"""Attention Residuals: softmax attention over depth in place of the residual sum (docs/design.md §4).
 
 A sublayer's input is a convex combination of *sources* (the token embedding, the summaries of completed
 blocks, and the running partial sum of the current block):

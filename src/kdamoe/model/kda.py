@@ -33,7 +33,8 @@ gives ``W`` and ``U0`` with ``U = U0 − W S0`` (the WY/UT transform). The chunk
 Every entry (i, j) reads tokens ``<= i`` only, so later inputs cannot change earlier outputs, not even
 their rounding.
 
-The Triton kernels (``kda_triton.py``, optional) plug in behind ``chunk_kda`` / ``recurrent_kda``.
+The Triton kernels (``kda_chunk.py``, ``kda_fused_recurrent.py``; optional) plug in behind ``chunk_kda`` /
+``recurrent_kda``.
 """
 
 import math
@@ -41,106 +42,24 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .kda_common import CHUNK_SIZE, SUB_BLOCK, check_inputs, compute_dtype, doc_lengths, kda_gate, l2norm, resolve_gate
+
 try:
-    from .kda_triton import chunk_kda_triton, recurrent_kda_triton
+    from .kda_chunk import chunk_kda_triton
+    from .kda_fused_recurrent import recurrent_kda_triton
 except ImportError:
     chunk_kda_triton = recurrent_kda_triton = None
 
-CHUNK_SIZE = 64
-SUB_BLOCK = 16
+__all__ = ["chunk_kda", "kda_gate", "naive_recurrent_kda", "recurrent_kda"]
+
 SPAN_LIMIT = 80.0  # nats a sub-block may decay over and still use the anchored matmul form
-L2NORM_EPS = 1e-6
-GATES = ("bounded", "softplus")
 BACKENDS = ("torch", "triton")
-
-
-def kda_gate(g_raw, A_log, dt_bias=None, gate="bounded", lower_bound=-5.0):
-    """Log-decay gate of KDA, in fp32 (fp64 when ``g_raw`` is fp64).
-
-    Args:
-        g_raw: ``[..., H, K]`` output of the low-rank gate projection.
-        A_log: ``[H]`` per-head log scale, or None (scale 1).
-        dt_bias: ``[H * K]`` or ``[H, K]`` per-channel bias, or None.
-        gate: ``"bounded"``: ``lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias))``, range
-            ``(lower_bound, 0)``; ``"softplus"``: ``-exp(A_log) * softplus(g_raw + dt_bias)``, range ``(-inf, 0)``.
-        lower_bound: negative float, used by the bounded gate only.
-
-    Returns:
-        ``g`` with the shape of ``g_raw``.
-    """
-    if gate not in GATES:
-        raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
-    if g_raw.dim() < 2:
-        raise ValueError(f"g_raw must have shape [..., H, K], got {tuple(g_raw.shape)}")
-    H, K = g_raw.shape[-2:]
-    dtype = torch.float64 if g_raw.dtype == torch.float64 else torch.float32
-    x = g_raw.to(dtype)
-    if dt_bias is not None:
-        if dt_bias.numel() != H * K or dt_bias.dim() not in (1, 2):
-            raise ValueError(f"dt_bias must have shape [H*K] = [{H * K}] or [H, K] = [{H}, {K}], got {tuple(dt_bias.shape)}")
-        x = x + dt_bias.to(dtype).reshape(H, K)
-    if A_log is None:
-        a = x.new_ones(H, 1)
-    else:
-        if tuple(A_log.shape) != (H,):
-            raise ValueError(f"A_log must have shape [H] = [{H}], got {tuple(A_log.shape)}")
-        a = A_log.to(dtype).exp().unsqueeze(-1)
-    if gate == "bounded":
-        if lower_bound is None or not lower_bound < 0:
-            raise ValueError(f"the bounded gate needs a negative lower_bound, got {lower_bound!r}")
-        return lower_bound * torch.sigmoid(a * x)
-    return -a * F.softplus(x)
-
-
-def _compute_dtype(x):
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _l2norm(x):
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
 
 
 def _validate(q, k, v, g, beta, initial_state, cu_seqlens):
     """Check the op contract; return ``(N, doc_lengths or None)``."""
-    if q.dim() != 4:
-        raise ValueError(f"q must have shape [B, T, H, K], got {tuple(q.shape)}")
-    B, T, H, K = q.shape
-    if k.shape != q.shape:
-        raise ValueError(f"k must have the shape of q {tuple(q.shape)}, got {tuple(k.shape)}")
-    if g.shape != q.shape:
-        raise ValueError(f"g must have the shape of q {tuple(q.shape)}, got {tuple(g.shape)}")
-    if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"v must have shape [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}")
-    if beta.shape != q.shape[:3]:
-        raise ValueError(f"beta must have shape [B, T, H] = [{B}, {T}, {H}], got {tuple(beta.shape)}")
-    lengths = None
-    N = B
-    if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"with cu_seqlens the batch size must be 1, got B={B}")
-        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point():
-            raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N+1], got {tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
-        cu = [int(c) for c in cu_seqlens.tolist()]
-        if cu[0] != 0 or cu[-1] != T or any(b < a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens must be non-decreasing from 0 to T={T}, got {cu}")
-        lengths = [b - a for a, b in zip(cu, cu[1:])]
-        N = len(lengths)
-    if initial_state is not None and tuple(initial_state.shape) != (N, H, K, v.shape[-1]):
-        raise ValueError(f"initial_state must have shape [N, H, K, V] = [{N}, {H}, {K}, {v.shape[-1]}], got {tuple(initial_state.shape)}")
-    return N, lengths
-
-
-def _resolve_gate(gate, lower_bound):
-    """flash-linear-attention semantics when ``gate`` is None: bounded iff ``lower_bound`` is given."""
-    if gate is None:
-        gate = "softplus" if lower_bound is None else "bounded"
-    if gate not in GATES:
-        raise ValueError(f"gate must be one of {GATES} or None, got {gate!r}")
-    if gate == "bounded":
-        lower_bound = -5.0 if lower_bound is None else float(lower_bound)
-    elif lower_bound is not None:
-        raise ValueError(f"lower_bound={lower_bound} is only valid with the bounded gate, got gate='softplus'")
-    return gate, lower_bound
+    N = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    return N, None if cu_seqlens is None else doc_lengths(cu_seqlens, q.shape[1])
 
 
 def _pick_backend(backend, q, kernel):
@@ -149,7 +68,7 @@ def _pick_backend(backend, q, kernel):
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     if backend == "triton" and (kernel is None or not q.is_cuda):
-        raise ValueError("backend='triton' needs CUDA tensors and the kda_triton module (triton installed)")
+        raise ValueError("backend='triton' needs CUDA tensors and the Triton kernels (triton installed)")
     return backend
 
 
@@ -185,7 +104,7 @@ def naive_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
 
 def _naive_core(q, k, v, g, beta, scale, h0):
     B, T, H, K = q.shape
-    out_dtype, dtype = q.dtype, _compute_dtype(q)
+    out_dtype, dtype = q.dtype, compute_dtype(q)
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
     S = q.new_zeros(B, H, K, v.shape[-1]) if h0 is None else h0.to(dtype)
     outs = []
@@ -204,8 +123,7 @@ def _prepare(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, use_qk_l2norm
     if use_gate_in_kernel:
         g = kda_gate(g, A_log, dt_bias, gate=gate, lower_bound=lower_bound)
     if use_qk_l2norm_in_kernel:
-        dtype = _compute_dtype(q)
-        q, k = _l2norm(q.to(dtype)), _l2norm(k.to(dtype))
+        q, k = l2norm(q), l2norm(k)
     return q, k, v, g, beta
 
 
@@ -286,7 +204,7 @@ def _dispatch(kernel, torch_core, q, k, v, g, beta, scale, initial_state, output
               use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias, lower_bound, gate, backend):
     """The shared front of `chunk_kda` / `recurrent_kda`: validate, then run the Triton kernel (which fuses the
     gate and L2 norm itself) or apply them in torch and run the torch core."""
-    gate, lower_bound = _resolve_gate(gate, lower_bound)
+    gate, lower_bound = resolve_gate(gate, lower_bound)
     _validate(q, k, v, g, beta, initial_state, cu_seqlens)
     if _pick_backend(backend, q, kernel) == "triton":
         return kernel(
@@ -307,7 +225,7 @@ def _chunk_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     V = v.shape[-1]
     C, S = CHUNK_SIZE, SUB_BLOCK
     n = C // S
-    dtype = _compute_dtype(q)
+    dtype = compute_dtype(q)
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
     # Padding tokens have k = v = beta = 0 and g = 0: they leave the state untouched and are cut from o.
     if cu_seqlens is None:

@@ -1,5 +1,5 @@
 """kdamoe: a decoder-only causal LM of KDA (bounded-decay Kimi Delta Attention) and NoPE full-attention mixers,
-dense or Quantile-Balanced MoE FFNs, and Attention Residuals over depth (DESIGN.md is the contract).
+dense or Quantile-Balanced MoE FFNs, and Attention Residuals over depth (docs/design.md is the contract).
 
 Reads top to bottom: config helpers and small modules → mixers (KDA, attention) → decoder layer → model →
 causal-LM head. Shapes: B batch, T new tokens, Tk attended tokens, D hidden, H heads, K/V head dims.
@@ -181,7 +181,7 @@ def eager_attention_forward(
 
 
 class KDAMoEKimiDeltaAttention(nn.Module):
-    """Kimi Delta Attention with a bounded (or softplus) log-decay gate (DESIGN §2).
+    """Kimi Delta Attention with a bounded (or softplus) log-decay gate (docs/design.md §2).
 
     x `[B, T, D]` → q, k, v (linear → causal depthwise conv → SiLU; q, k L2-normalised in the op), β = sigmoid
     (one per head and token), log-decay g from a low-rank projection → `chunk_kda` / `recurrent_kda` →
@@ -398,7 +398,7 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["KDAMoEDecoderLayer"]
     _supports_sdpa = True
     _supports_attention_backend = True
-    _keep_in_fp32_modules_strict = ["router"]  # routing scores and the selection bias are fp32 (DESIGN §3)
+    _keep_in_fp32_modules_strict = ["router"]  # routing scores and the selection bias are fp32 (docs/design.md §3)
 
     @classmethod
     def from_pretrained(cls, *args, output_loading_info: bool = False, **kwargs):

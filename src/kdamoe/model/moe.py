@@ -1,5 +1,5 @@
 """Sparse MoE of kdamoe: sigmoid router with a selection-only bias, Quantile Balancing (and its baselines),
-SiTU-GLU / SwiGLU experts with a CPU loop path and a grouped-GEMM GPU path (DESIGN §3).
+SiTU-GLU / SwiGLU experts with a CPU loop path and a grouped-GEMM GPU path (docs/design.md §3).
 """
 
 import torch
@@ -435,7 +435,7 @@ class QuantileHistogram:
 
 
 class KDAMoESparseMoeBlock(nn.Module):
-    """Router + routed experts + optional shared experts, with the per-optimizer-step balancing of DESIGN §3.
+    """Router + routed experts + optional shared experts, with the per-optimizer-step balancing of docs/design.md §3.
 
     `forward(hidden_states [B, T, D], token_mask [B, T] bool or None) -> (out [B, T, D], router_logits [B*T, E]
     fp32, aux_loss or None)`. In training mode with grad enabled (and outside a backward pass, so the recompute of

@@ -1,0 +1,78 @@
+"""Triton helpers shared by the KDA kernels: the chunk tile, the exp, the 16-bit dots and the offsets of the
+per-chunk and per-state tensors. Rows are tokens of ``[B*T, H, *]`` tensors; the per-chunk tables ``A_qk`` and
+``T`` are ``[B*T, H, CHUNK]`` (row t holds its chunk's row t)."""
+
+import triton
+import triton.language as tl
+
+from .kda_common import CHUNK_SIZE
+
+CHUNK = tl.constexpr(CHUNK_SIZE)
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def _exp(x, FTZ: tl.constexpr):
+    """``e^x``; FTZ (on a GPU): one ``ex2.approx.ftz`` of ``x log2 e``. ``tl.exp`` wraps the same MUFU op in the
+    handling of denormal results (three more SASS instructions each), which no factor here needs: one below
+    2^-126 stands for less than 1e-38 of a term of order 1 and is flushed to 0. The CPU interpreter runs no inline
+    asm: ``tl.exp`` there."""
+    if FTZ:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * LOG2E],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    return tl.exp(x)
+
+
+@triton.jit
+def _put(ptr, x, s, e, h, H, I: tl.constexpr, J: tl.constexpr):
+    r = tl.arange(0, 16)
+    ptr += s * (H * CHUNK) + h * CHUNK
+    tl.store(ptr + (I * 16 + r)[:, None] * (H * CHUNK) + J * 16 + r[None, :], x, mask=(I * 16 + r < e - s)[:, None])
+
+
+@triton.jit
+def _lp_dot(a, b, LP: tl.constexpr):
+    """``a @ b`` for ``a`` as stored (W, K e^{Γ_C−Γ}, Q e^Γ: 16-bit with 16-bit inputs; A_qk: bf16 with bf16 inputs,
+    else fp32): with LP on tensor cores in a's dtype, ``b`` rounded to it; else both widened to fp32 (tf32 on a GPU;
+    the CPU interpreter, whose bf16 dot multiplies raw bits in triton 3.9)."""
+    if LP:
+        return tl.dot(a, b.to(a.dtype))
+    return tl.dot(a.to(tl.float32), b.to(tl.float32))
+
+
+@triton.jit
+def _dot16(a, b, LP: tl.constexpr):
+    """``a @ b`` on bf16 tensor cores (both operands rounded to bf16, fp32 accumulation) with LP, else in fp32
+    (tf32 on a GPU): the backward's products of operands that are not all stored in 16 bits (``_lp_dot``: a is);
+    bf16 only, as fp16 would flush small gradients."""
+    if LP:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+    return tl.dot(a.to(tl.float32), b.to(tl.float32))
+
+
+@triton.jit
+def _state_block(ptr, n, h, H, ck, cv, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                 LOAD: tl.constexpr):
+    """The ``[BK, BV]`` block (rows ck, columns cv) of sequence n, head h in a ``[N, H, K, V]`` state tensor:
+    offsets inside one ``[K, V]`` state, mask, the (sequence, head) base offset, and its fp32 value from ``ptr``
+    (zeros without LOAD)."""
+    offs_s = ck[:, None] * V + cv[None, :]
+    ms = (ck < K)[:, None] & (cv < V)[None, :]
+    state_off = (n * H + h).to(tl.int64) * (K * V)
+    if LOAD:
+        S = tl.load(ptr + state_off + offs_s, mask=ms, other=0.0).to(tl.float32)
+    else:
+        S = tl.zeros((BK, BV), dtype=tl.float32)
+    return offs_s, ms, state_off, S
+
+
+@triton.jit
+def _chunk_vblock(cstart_ptr, cend_ptr, V: tl.constexpr, BV: tl.constexpr):
+    """A ``(chunks · V/BV, H)`` grid's program: chunk c, head h, V columns cv, first token s, rows r and the valid
+    ones rv. The V blocks of a chunk are adjacent programs, so their shared loads come from L2."""
+    c = tl.program_id(0) // tl.cdiv(V, BV)
+    cv = tl.program_id(0) % tl.cdiv(V, BV) * BV + tl.arange(0, BV)
+    s = tl.load(cstart_ptr + c).to(tl.int64)
+    r = tl.arange(0, CHUNK)
+    rv = r < tl.load(cend_ptr + c).to(tl.int64) - s
+    return c, tl.program_id(1), cv, s, r, rv
