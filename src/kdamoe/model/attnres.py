@@ -8,16 +8,71 @@ blocks, and the running partial sum of the current block):
 with a learned pseudo-query `w` (zero-initialised: training starts from the uniform average) and a key-norm
 gain `γ`. Values are mixed un-normalised. The stream of sources is held as a `ResidualState`, which also
 covers the standard residual (`x + f(norm(x))`) so the decoder layer has one code path for every mode.
+
+The sources are separate tensors, never stacked: `depth_attention` reads each once in the forward and keeps only
+references to them and three `[S, B, T]` fp32 statistics for the backward, so a sublayer's depth attention costs
+no copy of the sources (a stacked fp32 copy per sublayer would cost S times the residual stream's memory).
 """
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 
+def _wide(x):
+    """fp32 (fp64 for fp64 inputs): the dtype of the softmax and of the mixing."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _source_logits(sources, u, eps):
+    """``(logits, rstd)``, each ``[S, B, T]`` (fp32): ``rstd_s = rsqrt(mean(V_s²) + eps)``, ``logit_s = rstd_s (V_s · u)``."""
+    rstd = torch.stack([torch.rsqrt(_wide(v).pow(2).mean(-1) + eps) for v in sources])
+    dots = torch.stack([_wide(v) @ u for v in sources])
+    return dots * rstd, rstd
+
+
+class _DepthAttentionFunction(torch.autograd.Function):
+    """``Σ_s softmax_s(logit_s) V_s`` with ``logit_s = RMSNorm_γ(V_s) · w``; saves the sources by reference."""
+
+    @staticmethod
+    def forward(ctx, query, key_norm_weight, eps, *sources):
+        u = _wide(query) * _wide(key_norm_weight)  # [D]: w · (γ ⊙ x) = (w ⊙ γ) · x
+        logits, rstd = _source_logits(sources, u, eps)
+        weights = logits.softmax(0)  # [S, B, T]
+        out = weights[0, ..., None] * _wide(sources[0])
+        for s in range(1, len(sources)):
+            out.addcmul_(weights[s, ..., None], sources[s])
+        ctx.save_for_backward(query, key_norm_weight, logits, rstd, weights, *sources)
+        return out.to(sources[0].dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        query, gamma, logits, rstd, weights, *sources = ctx.saved_tensors
+        D = query.shape[0]
+        u = _wide(query) * _wide(gamma)
+        dout = _wide(dout)
+        g = torch.stack([(dout * v).sum(-1) for v in sources])  # [S, B, T]: ∂L/∂weight_s
+        dlogit = weights * (g - (weights * g).sum(0, keepdim=True))  # through the softmax
+        # logit = r (V · u), r = rsqrt(mean(V²) + eps): ∂logit/∂V = r u − r² logit V / D
+        a, c = dlogit * rstd, dlogit * rstd * rstd * logits / D
+        du = sum((a[s].reshape(-1) @ _wide(v).reshape(-1, D)) for s, v in enumerate(sources))
+        dsources = []
+        for s, v in enumerate(sources):
+            if not ctx.needs_input_grad[3 + s]:
+                dsources.append(None)
+                continue
+            dv = weights[s, ..., None] * dout + a[s, ..., None] * u - c[s, ..., None] * _wide(v)
+            dsources.append(dv.to(v.dtype))
+        dquery = (du * _wide(gamma)).to(query.dtype) if ctx.needs_input_grad[0] else None
+        dgamma = (du * _wide(query)).to(gamma.dtype) if ctx.needs_input_grad[1] else None
+        return dquery, dgamma, None, *dsources
+
+
 class DepthAttention(nn.Module):
-    """One pseudo-query attending over depth. `sources: [S, B, T, D]` -> `[B, T, D]`."""
+    """One pseudo-query attending over depth: S sources, each `[B, T, D]` (a sequence, or stacked `[S, B, T, D]`)
+    -> `[B, T, D]`."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -25,39 +80,35 @@ class DepthAttention(nn.Module):
         self.key_norm_weight = nn.Parameter(torch.empty(hidden_size))  # ones in `_init_weights`
         self.eps = eps
 
-    def depth_weights(self, sources: torch.Tensor) -> torch.Tensor:
+    def depth_weights(self, sources: Sequence[torch.Tensor]) -> torch.Tensor:
         """The softmax weights over sources, `[S, B, T]` in fp32 (also used for analysis and plots)."""
-        values = sources.float()
-        keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + self.eps) * self.key_norm_weight.float()
-        return (keys @ self.query.float()).softmax(dim=0)
+        u = _wide(self.query) * _wide(self.key_norm_weight)
+        return _source_logits(tuple(sources), u, self.eps)[0].softmax(dim=0)
 
-    def forward(self, sources: torch.Tensor) -> torch.Tensor:
-        weights = self.depth_weights(sources)
-        return torch.einsum("sbt,sbtd->btd", weights, sources.float()).to(sources.dtype)
+    def forward(self, sources: Sequence[torch.Tensor]) -> torch.Tensor:
+        return _DepthAttentionFunction.apply(self.query, self.key_norm_weight, self.eps, *sources)
 
 
 @dataclass
 class ResidualState:
     """The residual stream between sublayers.
 
-    `completed`: `[S, B, T, D]` sources of closed blocks (the embedding first), or None in `standard` mode.
+    `completed`: the sources of closed blocks (the embedding first), each `[B, T, D]`; empty in `standard` mode.
     `partial`: `[B, T, D]` running sum of the current block (None when the block is empty); in `standard` mode
     it is the residual stream `x` itself.
     """
 
-    completed: torch.Tensor | None
+    completed: tuple[torch.Tensor, ...]
     partial: torch.Tensor | None
 
     @classmethod
     def start(cls, embeddings: torch.Tensor, mode: str) -> "ResidualState":
         if mode == "standard":
-            return cls(completed=None, partial=embeddings)
-        return cls(completed=embeddings.unsqueeze(0), partial=None)
+            return cls(completed=(), partial=embeddings)
+        return cls(completed=(embeddings,), partial=None)
 
-    def sources(self) -> torch.Tensor:
-        if self.partial is None:
-            return self.completed
-        return torch.cat([self.completed, self.partial.unsqueeze(0)], dim=0)
+    def sources(self) -> tuple[torch.Tensor, ...]:
+        return self.completed if self.partial is None else (*self.completed, self.partial)
 
     def read(self, depth_attention: DepthAttention | None) -> torch.Tensor:
         """The input of the next sublayer: the residual stream, or depth attention over the sources."""
@@ -69,7 +120,7 @@ class ResidualState:
         """Add a sublayer's output to the partial sum; closing the block turns the sum into a source."""
         partial = output if self.partial is None else self.partial + output
         if close_block:
-            return ResidualState(torch.cat([self.completed, partial.unsqueeze(0)], dim=0), None)
+            return ResidualState((*self.completed, partial), None)
         return ResidualState(self.completed, partial)
 
 

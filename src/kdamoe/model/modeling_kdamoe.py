@@ -356,16 +356,17 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
 
     def forward(
         self,
-        completed: torch.Tensor | None,
         partial: torch.Tensor | None,
+        *completed: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
         packed: PackedDocuments | None = None,
         token_mask: torch.Tensor | None = None,
     ):
-        """`completed: [S, B, T, D] | None`, `partial: [B, T, D] | None` (see `ResidualState`; passed as tensors so
-        gradient checkpointing sees them). Returns the new pair, the mixer input `[B, T, D]` (this layer's hidden
-        state), the router logits `[B*T, E]` and the auxiliary loss (MoE layers; None otherwise)."""
+        """`partial: [B, T, D] | None` and the `completed` sources, each `[B, T, D]` (see `ResidualState`; passed as
+        positional tensors so that gradient checkpointing sees them). Returns the new partial sum, the mixer input
+        `[B, T, D]` (this layer's hidden state), the router logits `[B*T, E]` and the auxiliary loss (MoE layers;
+        None otherwise), then the new completed sources."""
         state = ResidualState(completed, partial)
         mixer_input = state.read(self.mixer_attn_res)
         x = self.mixer_norm(mixer_input)
@@ -382,7 +383,7 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
         else:
             x = self.ffn(x)
         state = state.add(x, close_block=self.close_block_after_ffn)
-        return state.completed, state.partial, mixer_input, router_logits, aux_loss
+        return state.partial, mixer_input, router_logits, aux_loss, *state.completed
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -513,8 +514,8 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         all_router_logits = []
         aux_losses = []
         for layer in self.layers:
-            completed, partial, layer_input, router_logits, aux_loss = layer(
-                completed, partial, attention_mask=mask, cache=cache, packed=packed, token_mask=token_mask
+            partial, layer_input, router_logits, aux_loss, *completed = layer(
+                partial, *completed, attention_mask=mask, cache=cache, packed=packed, token_mask=token_mask
             )
             if output_hidden_states:
                 all_hidden_states.append(layer_input)
@@ -525,7 +526,7 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         if isinstance(cache, KDAMoECache):
             cache.num_seen_tokens += seq_len
 
-        hidden_states = self.norm(ResidualState(completed, partial).read(self.final_attn_res))
+        hidden_states = self.norm(ResidualState(tuple(completed), partial).read(self.final_attn_res))
         if output_hidden_states:
             all_hidden_states.append(hidden_states)
         output = KDAMoEModelOutputWithPast(
