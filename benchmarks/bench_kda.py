@@ -11,8 +11,13 @@ Times are ``triton.testing.do_bench`` medians. Prints a table; writes JSON to ``
 """
 
 import argparse
+import importlib
+import importlib.machinery
+import importlib.util
 import json
 import os
+import re
+import sys
 import time
 
 import torch
@@ -21,7 +26,8 @@ import triton
 from triton.testing import do_bench
 
 from kdamoe.model import kda
-from kdamoe.model.kda_triton import chunk_kda_triton, recurrent_kda_triton
+from kdamoe.model.kda_chunk import chunk_kda_triton
+from kdamoe.model.kda_fused_recurrent import recurrent_kda_triton
 
 try:
     from fla.ops.kda import chunk_kda as fla_chunk_kda
@@ -49,18 +55,20 @@ def make(B, T, seed=0, device="cuda"):
 
 def run_ours(x, gate, fn=chunk_kda_triton):
     lb = LB if gate == "bounded" else None
-    A_log = torch.zeros_like(x["A_log"]) if gate == "bounded" else x["A_log"]  # DESIGN: bounded A_log init 0
+    A_log = torch.zeros_like(x["A_log"]) if gate == "bounded" else x["A_log"]  # bounded: A_log = 0 (docs/design.md §2)
     return fn(x["q"], x["k"], x["v"], x["g"], x["beta"], use_gate_in_kernel=True, A_log=A_log,
               dt_bias=x["dt_bias"], lower_bound=lb, gate=gate)[0]
 
 
-def load_alt(path):
-    """``chunk_kda_triton`` of another version of ``kda_triton.py`` (e.g. ``git show BRANCH:src/kdamoe/model/
-    kda_triton.py > /tmp/alt.py``), for an A/B timing of two kernel versions in one run."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(f"kda_triton_alt_{abs(hash(path))}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def load_alt(label, path):
+    """``chunk_kda_triton`` of another copy of the model folder at ``path`` (e.g. ``mkdir -p alt/B && git archive
+    BRANCH src/kdamoe/model | tar -x -C alt/B --strip-components=3``), imported as a package of its own, for an A/B
+    timing of two kernel versions in one run."""
+    name = "kdamoe_alt_" + re.sub(r"\W", "_", label)
+    spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    spec.submodule_search_locations = [os.path.abspath(path)]
+    sys.modules[name] = importlib.util.module_from_spec(spec)
+    module = importlib.import_module(f"{name}.kda_chunk")
     return lambda x, gate: run_ours(x, gate, module.chunk_kda_triton)
 
 
@@ -233,7 +241,7 @@ def main():
     ap.add_argument("--skip-checks", action="store_true", help="no float64 / GPU checks (timings only)")
     ap.add_argument("--no-million", action="store_true", help="skip the 1M-token forward")
     ap.add_argument("--alt", action="append", default=[], metavar="NAME=PATH",
-                    help="another kda_triton.py, timed as NAME-bounded / NAME-softplus (repeatable)")
+                    help="another copy of the model folder, timed as NAME-bounded / NAME-softplus (repeatable)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_kda.json"))
     args = ap.parse_args()
     dev = torch.cuda.get_device_name()
@@ -248,7 +256,7 @@ def main():
     impls = {"ours-bounded": (run_ours, "bounded"), "ours-softplus": (run_ours, "softplus")}
     for alt in args.alt:
         label, path = alt.split("=", 1)
-        run_alt = load_alt(path)
+        run_alt = load_alt(label, path)
         for gate in ("bounded", "softplus"):
             impls[f"{label}-{gate}"] = (run_alt, gate)
             if f"ours-{gate}" in wanted:

@@ -11,8 +11,8 @@ on the benchmark batch (the state a QB-trained layer runs in; MaxVio before and 
 transformers' block gets the same selection bias, so all implementations route alike. Before timing, every
 implementation's output is compared with a float64 loop reference that uses the same weights and routing
 (relative Frobenius error). Times are `triton.testing.do_bench` medians (calls back to back, as in bench_kda.py);
-the `synced` column synchronises before every call (the earlier sessions' method, which also counts each call's
-launch latency from an idle GPU). The dense GEMM's rate is the better of the two timings.
+the `synced` column synchronises before every call (so it also counts each call's launch latency from an idle
+GPU). The dense GEMM's rate is the better of the two timings.
 
     python benchmarks/bench_moe.py --out bench_moe.json          # GPU, 16K tokens, d 2048, 128 experts top-8, I 768
     python benchmarks/bench_moe.py --smoke                       # tiny CPU run: checks that everything executes
@@ -54,8 +54,8 @@ def parse_args():
 class Timer:
     """Median milliseconds of `fn()`. On CUDA `triton.testing.do_bench` (as bench_kda.py): calls issued back to
     back, as the layers of a training step are, so host-side launch work overlaps the GPU's; `synced` instead
-    synchronises before every call (each call then also pays its launch latency from an idle GPU: the figure of the
-    earlier sessions). On the CPU, wall-clock time."""
+    synchronises before every call (each call then also pays its launch latency from an idle GPU). On the CPU,
+    wall-clock time."""
 
     def __init__(self, device, warmup, iters):
         self.cuda = device.type == "cuda"

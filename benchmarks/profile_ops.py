@@ -1,4 +1,4 @@
-"""Where the time goes inside the KDA and MoE ops: torch.profiler kernel tables, one GPU call.
+"""Where the time goes inside the KDA and MoE ops: torch.profiler kernel tables, in one run.
 
 KDA (bf16, H=16, head dim 128, fused bounded gate): ours vs flash-linear-attention's ``chunk_kda`` (when
 ``fla-core`` is importable), forward and forward+backward at 4x8K and 1x32K. MoE (16K tokens, hidden 2048,
@@ -11,8 +11,10 @@ tokens (no permutation, no activation) as the floor. Also prints registers and s
 import argparse
 import json
 import os
+import sys
 
 import torch
+import triton
 from triton.testing import do_bench
 
 import bench_kda
@@ -43,7 +45,7 @@ def kda(res, names, alts, sizes):
         impls["fla"] = bench_kda.run_fla
     for alt in alts:
         label, path = alt.split("=", 1)
-        impls[label] = bench_kda.load_alt(path)
+        impls[label] = bench_kda.load_alt(label, path)
     impls = {n: f for n, f in impls.items() if n in names}
     for B, T in (tuple(map(int, s.split("x"))) for s in sizes.split(",")):
         x = bench_kda.make(B, T)
@@ -140,9 +142,12 @@ def moe(res):
 
 
 def registers():
-    from kdamoe.model import kda_triton
-    for name in dir(kda_triton):
-        fn = getattr(kda_triton, name)
+    """Registers, spills and shared memory of every KDA kernel compiled so far (the kernel files of the model
+    folder)."""
+    kernels = {id(fn): (name, fn) for module_name, module in list(sys.modules.items())
+               if module_name.startswith("kdamoe.model.kda") for name, fn in vars(module).items()
+               if isinstance(fn, triton.runtime.jit.JITFunction)}
+    for name, fn in sorted(kernels.values(), key=lambda nf: nf[0]):
         caches = getattr(fn, "device_caches", None)
         if not caches:
             continue
@@ -160,7 +165,7 @@ def main():
     ap.add_argument("--what", default="kda,moe")
     ap.add_argument("--kda-impls", default="ours,fla", help="comma-separated: ours, fla, and --alt labels")
     ap.add_argument("--alt", action="append", default=[], metavar="NAME=PATH",
-                    help="another version of kda_triton.py to profile (see bench_kda.py --alt)")
+                    help="another copy of the model folder to profile (see bench_kda.py --alt)")
     ap.add_argument("--sizes", default="4x8192,1x32768", help="KDA shapes, comma-separated BxT")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "profile_ops.json"))
     args = ap.parse_args()

@@ -61,7 +61,7 @@ def _situ_glu_bwd_kernel(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, M, N, stride_g, s
 
 
 # SiTU-GLU tiles: at most `block_n` columns, `elems` elements per program. H200, [131072, 768] bf16
-# (benchmarks/tune_moe_kernels.py): forward 0.182 ms = 3.3 TB/s, backward 0.246 ms = 4.1 TB/s (1024-column tiles of
+# (tools/tune_moe_kernels.py): forward 0.182 ms = 3.3 TB/s, backward 0.246 ms = 4.1 TB/s (1024-column tiles of
 # 4096 elements, 4 warps: 0.245 / 0.331 ms; a power-of-two tile over 768 columns leaves a quarter of it masked)
 SITU_LAUNCH = dict(block_n=256, elems=2048, num_warps=8)
 
@@ -112,7 +112,7 @@ def _gather_rows_kernel(src_ptr, idx_ptr, out_ptr, M, D, stride_src, stride_out,
 
 
 # row-gather tiles: at most `block_d` columns, `elems` elements per program. H200, [16384, 2048] -> [131072, 2048]
-# bf16 (benchmarks/tune_moe_kernels.py): 0.198 ms (index_select 0.262; 2048-column tiles 0.24)
+# bf16 (tools/tune_moe_kernels.py): 0.198 ms (index_select 0.262; 2048-column tiles 0.24)
 GATHER_LAUNCH = dict(block_d=512, elems=4096, num_warps=8)
 
 
@@ -170,7 +170,7 @@ def _combine_bwd_kernel(dout_ptr, y_ptr, w_ptr, inv_ptr, dy_ptr, dw_ptr, D, stri
 
 def _combine_blocks(k: int, D: int) -> tuple[int, int]:
     """`(BLOCK_K, BLOCK_D)`: tiles of ~8K elements for 4 warps (H200, k=8, D=2048: the gather-sum at 3.9 TB/s,
-    2.2x the 4K-element tiles; benchmarks/tune_moe_kernels.py)."""
+    2.2x the 4K-element tiles; tools/tune_moe_kernels.py)."""
     block_k = triton.next_power_of_2(k)
     return block_k, min(triton.next_power_of_2(D), max(16, 8192 // block_k))
 

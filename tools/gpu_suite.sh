@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The GPU suites, run from the repo root on the device machine, each within a 10-minute command:
+#   `FLA=1 REST=0 bash tools/gpu_suite.sh` (once; ~6 min): fla-core autotunes its kernels (once per shape key, not
+#   per T) into its own triton cache folder; the *.autotune.json entries come back packed as $OUT/fla_autotune.tgz:
+#   keep them as .gpu/fla_autotune.tgz and carry that file from then on;
+#   `KDA=1 REST=0 bash tools/gpu_suite.sh` (~3 min): the CUDA KDA kernel tests, then benchmarks/bench_kda.py in one
+#   run: ours (both gates), SDPA and — with .gpu/fla_autotune.tgz carried — fla-core at every size, plus the
+#   1M-token forwards;
+#   `PROFILE=1 REST=0 ...`: benchmarks/profile_ops.py (kernel tables, ours vs fla-core; autotunes fla again);
+#   `bash tools/gpu_suite.sh` (REST, ~5 min): CUDA-only MoE tests, benchmarks/bench_moe.py, a short `small`-preset
+#   training run for tokens/s and MFU, and a torch.profiler table of one `small` training step
+#   (benchmarks/profile_step.py).
+# Carries: .whl (datasets, dill, multiprocess, fla-core wheels) and .gpu/tok32k (a BPE trained here, so no device
+# time goes to tokenizer training; make it here first with
+#   kdamoe-tokenizer --vocab-size 32768 --max-chars 20000000 --output-dir .gpu/tok32k). Results land in $OUT.
+set -uo pipefail
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true HF_HUB_OFFLINE=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=$PYTHONPATH:/tmp/site
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+
+if [ "${KDA:-0}" = 1 ]; then
+  echo "== CUDA KDA kernel tests"
+  python3 -m pytest -q tests/test_kda_triton.py 2>&1 | tail -5
+  impls=ours-bounded,ours-softplus,sdpa
+  if [ -f .gpu/fla_autotune.tgz ]; then  # fla-core's tuned configs: it then runs in seconds, not minutes
+    mkdir -p ~/.triton/cache && tar xzf .gpu/fla_autotune.tgz -C ~/.triton/cache && impls=$impls,fla-bounded
+  fi
+  echo "== bench_kda ($impls)"
+  python3 benchmarks/bench_kda.py --impls "$impls" --out "$OUT/bench_kda.json" 2>&1 \
+    | tee "$OUT/bench_kda.log" | tail -20
+fi
+if [ "${FLA:-0}" = 1 ]; then
+  echo "== fla-core autotuning, packed to $OUT/fla_autotune.tgz"
+  TRITON_CACHE_DIR=/tmp/fla-tc python3 benchmarks/bench_kda.py --skip-checks --no-million --impls fla-bounded \
+    --out "$OUT/bench_kda_fla.json" 2>&1 | tee "$OUT/bench_kda_fla.log" | tail -12
+  (cd /tmp/fla-tc && find . -name "*.autotune.json" | tar czf "$OUT/fla_autotune.tgz" -T -)
+fi
+if [ "${PROFILE:-0}" = 1 ]; then
+  echo "== per-kernel tables (ours vs fla-core, MoE experts and block)"
+  (cd benchmarks && python3 profile_ops.py --out "$OUT/profile_ops.json" 2>&1 | grep -v -i warn > "$OUT/profile_ops.log")
+fi
+
+if [ "${REST:-1}" = 1 ]; then
+  echo "== CUDA MoE tests"
+  python3 -m pytest -q -x tests/test_moe.py -k cuda 2>&1 | tail -5
+
+  echo "== bench_moe"
+  python3 benchmarks/bench_moe.py --out "$OUT/bench_moe.json" 2>&1 | tee "$OUT/bench_moe.log" | tail -25
+
+  echo "== small preset: tokens/s and MFU"
+  STEPS=${SMALL_STEPS:-30}
+  python3 -m kdamoe.train --preset small --tokenizer .gpu/tok32k --stages 2048:$STEPS --micro-batch-size 16 \
+    --save-every 0 --eval-every 0 --val-rows 8 --output-dir /tmp/small > "$OUT/train_small.log" 2>&1
+  tail -5 "$OUT/train_small.log"
+  cp /tmp/small/metrics.jsonl "$OUT/small_metrics.jsonl" 2>/dev/null
+  python3 benchmarks/throughput.py /tmp/small --peak-tflops "${PEAK_TFLOPS:-989}" | tee "$OUT/small_throughput.txt"
+
+  echo "== one small-preset step under torch.profiler (where the time goes)"
+  python3 benchmarks/profile_step.py --preset small --rows 16 --seq-len 2048 --out /tmp/prof/profile_step.json \
+    2>&1 | tail -40 | tee "$OUT/profile_step.txt"
+  cp /tmp/prof/profile_step.json "$OUT/" 2>/dev/null
+fi
