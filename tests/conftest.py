@@ -18,7 +18,7 @@ def tiny_config(**overrides) -> "kdamoe.KDAMoEConfig":
         num_hidden_layers=4,
         intermediate_size=64,
         layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-        mlp_layer_types=["dense", "moe", "moe", "moe"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
         kda_num_heads=2,
         kda_head_dim=8,
         num_attention_heads=4,
@@ -48,7 +48,7 @@ def _seed():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# A tiny trained run shared by the evaluation and Hub tests (trained once per session)
+# A tiny trained run shared by the evaluation and Hub tests (trained once per test run)
 # ---------------------------------------------------------------------------------------------------------------------
 
 TINY_MODEL = {"hidden_size": 32, "intermediate_size": 64, "kda_num_heads": 2, "kda_head_dim": 16,
@@ -62,7 +62,7 @@ SPEED_LENGTHS = [32, 96]
 DECODE_TOKENS = 3
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def trained_run(tmp_path_factory):
     """A 3-step kdamoe-train run of a tiny model (300-token BPE) on the embedded corpus; returns the run dir."""
     from kdamoe.data import load_corpus
@@ -79,12 +79,12 @@ def trained_run(tmp_path_factory):
     return root / "out"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def model_dir(trained_run):
     return trained_run / "final"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def eval_dir(model_dir, tmp_path_factory):
     """`kdamoe-eval` through its command line, with every part made small."""
     from kdamoe import evaluate
@@ -98,12 +98,12 @@ def eval_dir(model_dir, tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def report(eval_dir):
     return json.loads((eval_dir / "eval.json").read_text())
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def loaded(model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -11,6 +11,7 @@ import torch
 
 from kdamoe.data import (CorpusStream, PackedBatches, TokenStream, is_validation, load_corpus, pack_documents, rows_to_batch,
                          stdlib_dataset, stdlib_root, unigram_entropy, validation_rows)
+from kdamoe.errors import UsageError
 from kdamoe.tokenizer import train_tokenizer
 
 EOS = 0
@@ -141,6 +142,23 @@ def test_local_corpora(tmp_path):
     assert load_corpus(str(tmp_path / "d.parquet"), "train")["text"] == js["text"]
 
 
+def test_single_text_file_is_held_out_by_position(tmp_path):
+    lines = [f"line {i}: " + "word " * (i % 7) + "\n" for i in range(400)]
+    text = "".join(lines)
+    (tmp_path / "book.txt").write_text(text)
+    path = str(tmp_path / "book.txt")
+    (train,), (val,) = load_corpus(path, "train")["text"], load_corpus(path, "validation")["text"]
+    # reference: the first line start at or after 95 % of the characters
+    starts = np.cumsum([0] + [len(line) for line in lines])
+    cut = int(starts[np.searchsorted(starts, round(0.95 * len(text)))])
+    assert (train, val) == (text[:cut], text[cut:])
+    assert load_corpus(path, "all")["text"] == [text]
+    assert [r["text"] for r in load_corpus(path, "validation", streaming=True)] == [val]
+    (tmp_path / "one_line.txt").write_text("a single line without any break " * 10)
+    with pytest.raises(UsageError, match="validation split .* is empty; .*--validation-dataset"):
+        load_corpus(str(tmp_path / "one_line.txt"), "validation")
+
+
 def test_corpus_errors(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "one.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
@@ -207,7 +225,7 @@ def test_packed_document_logits_do_not_depend_on_the_previous_document():
 
     torch.manual_seed(0)
     config = KDAMoEConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
-                          layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "moe"],
+                          layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
                           kda_num_heads=2, kda_head_dim=16, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, attnres_block_layers=1)
     model = KDAMoEForCausalLM(config).eval()

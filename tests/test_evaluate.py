@@ -13,7 +13,7 @@ from kdamoe import evaluate as ev
 from conftest import DECODE_TOKENS, PASSKEY_DEPTHS, PASSKEY_LENGTHS, SPEED_LENGTHS, TRAIN_LEN, VAL_ROWS
 from kdamoe.data import load_corpus, validation_rows
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def val_rows(loaded):
     return validation_rows(load_corpus("stdlib", "validation"), loaded[1], TRAIN_LEN, VAL_ROWS)
 
@@ -63,7 +63,7 @@ def test_moe_max_vio_matches_direct_count(report, loaded, val_rows):
     with torch.no_grad():
         out = model(input_ids=val_rows["input_ids"], position_ids=val_rows["position_ids"],
                     output_router_logits=True)
-    moe_layers = [i for i, t in enumerate(model.config.mlp_layer_types) if t == "moe"]
+    moe_layers = [i for i, t in enumerate(model.config.mlp_layer_types) if t == "sparse"]
     assert sorted(report["moe"]["layers"], key=int) == [str(i) for i in moe_layers]
     for i, logits in zip(moe_layers, out.router_logits):
         bias = model.model.layers[i].ffn.router.bias.double()

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, ModelCard, RepoUrl
 
@@ -52,6 +53,52 @@ def test_card_yaml_holds_eval_results(folder, eval_dir, report):
     assert f"{info['tokens_trained']:,} tokens" in text
 
 
+def section(card: str, title: str) -> str:
+    """The text of the card's `## title` section."""
+    return card.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_card_states_use_limitations_and_citations(folder):
+    text = hub_card.build_card(folder, repo_id="someone/kdamoe-test").text
+    assert "research model" in section(text, "Intended use") and "Python standard library" in section(text,
+                                                                                                     "Intended use")
+    assert "trust_remote_code" in section(text, "Limitations") and "apply_load_balancing" in section(text,
+                                                                                                    "Limitations")
+    citations = section(text, "Citation")
+    for reference in ("arxiv.org/abs/2510.26692", "Kimi Linear", "kexue.fm/archives/11619", "Quantile Balancing",
+                      "arxiv.org/abs/2603.15031", "Attention Residuals"):
+        assert reference in citations
+    assert "import kdamoe" not in section(text, "Usage") and "kdamoe.evaluate" not in section(text, "Usage")
+    # the lm-eval task files travel with the model, unchanged
+    for source in LM_EVAL_TASK_DIR.iterdir():
+        if source.is_file():
+            assert (folder / "lm_eval_tasks" / source.name).read_bytes() == source.read_bytes()
+
+
+def test_cards_finetuning_snippets_run(folder):
+    """The card's PEFT and load-balancing snippets, run as written on the trained model: LoRA on the documented
+    modules, and one training step whose callback applies Quantile Balancing."""
+    pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    card = hub_card.build_card(folder)
+    scope = {"model": AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).train()}
+    for code in re.findall(r"```python\n(.*?)```", section(card.text, "Fine-tuning"), re.S):
+        exec(code, scope)
+    model = scope["model"]
+    adapted = {name.split(".lora_")[0].rsplit(".", 1)[-1] for name, p in model.named_parameters() if p.requires_grad}
+    assert {"q_proj", "k_proj", "v_proj", "o_proj", "beta_proj", "gate_proj", "up_proj", "down_proj"} <= adapted
+    assert any(".experts." in name for name, p in model.named_parameters() if p.requires_grad)
+    assert not any("router" in name for name, p in model.named_parameters() if p.requires_grad)
+    base = model.get_base_model()
+    biases = [layer.ffn.router.bias.clone() for layer in base.model.layers if layer.is_moe]
+    ids = torch.randint(0, base.config.vocab_size, (2, 32))
+    model(input_ids=ids, labels=ids).loss.backward()
+    scope["LoadBalancing"]().on_step_end(None, None, None, model=model)
+    after = [layer.ffn.router.bias for layer in base.model.layers if layer.is_moe]
+    assert all(not torch.equal(a, b) for a, b in zip(biases, after))
+
+
 def test_card_without_eval_or_config(folder, tmp_path):
     card = hub_card.build_card(folder)
     assert "model-index" not in card.data.to_dict() and "Not evaluated yet" in card.text
@@ -66,7 +113,7 @@ def test_parameter_counts_match_config_formula(loaded):
     counts = hub_card.parameter_counts(config)
     real = kdamoe.KDAMoEForCausalLM(config)
     d, inter, e, k = config.hidden_size, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok
-    routed = config.mlp_layer_types.count("moe") * e * 3 * d * inter  # gate, up, down per expert
+    routed = config.mlp_layer_types.count("sparse") * e * 3 * d * inter  # gate, up, down per expert
     assert counts["total"] == sum(p.numel() for p in real.parameters())
     assert counts["routed_experts"] == routed
     assert counts["active_per_token"] == counts["total"] - routed + routed * k // e
@@ -134,9 +181,9 @@ def test_push_round_trip_then_the_cards_snippets_generate_the_same_text(folder, 
             "README.md", "training_info.json"} <= files
     assert not any(f.startswith(("checkpoints/", ".tmp-")) for f in files)
 
-    # A fresh process (no kdamoe import, offline) runs the card's snippets against the pushed folder: it must load
-    # the pushed remote code and print what the original model generates.
-    code = re.findall(r"```python\n(.*?)```", (pushed / "README.md").read_text(), re.S)
+    # A fresh process (no kdamoe import, offline) runs the card's usage snippets against the pushed folder: it must
+    # load the pushed remote code and print what the original model generates.
+    code = re.findall(r"```python\n(.*?)```", section((pushed / "README.md").read_text(), "Usage"), re.S)
     assert len(code) == 2
     script = "\n".join(code) + "\nprint(type(model).__module__)\n"
     result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=OFFLINE_ENV, capture_output=True,
@@ -160,12 +207,23 @@ def test_push_rejects_a_non_model_folder(tmp_path):
         hub.push_folder(tmp_path, "someone/x", api=LocalHubApi(tmp_path / "hub"))
 
 
+LM_EVAL_WITHOUT_KDAMOE = """
+import runpy, sys
+sys.modules["kdamoe"] = None  # what a Hub user has: the model repo, transformers and lm_eval, not the package
+sys.argv = ["lm_eval", *sys.argv[1:]]
+runpy.run_module("lm_eval", run_name="__main__")
+"""
+
+
 @pytest.mark.skipif(importlib.util.find_spec("lm_eval") is None, reason="lm-evaluation-harness is not installed")
-def test_lm_eval_local_task_runs_offline(model_dir, tmp_path):
+def test_lm_eval_task_in_the_model_folder_runs_offline_without_the_package(folder, tmp_path):
+    """The card's lm-eval command, with the repo's own copy of the task files (`lm_eval_tasks/`)."""
+    hub_card.main([str(folder)])
     out = tmp_path / "lm_eval"
-    cmd = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
-           f"pretrained={model_dir},trust_remote_code=True", "--tasks", "kdamoe_pycloze", "--include_path",
-           str(LM_EVAL_TASK_DIR), "--limit", "4", "--device", "cpu", "--batch_size", "4", "--output_path", str(out)]
+    cmd = [sys.executable, "-c", LM_EVAL_WITHOUT_KDAMOE, "--model", "hf", "--model_args",
+           f"pretrained={folder},trust_remote_code=True", "--tasks", "kdamoe_pycloze", "--include_path",
+           str(folder / "lm_eval_tasks"), "--limit", "4", "--device", "cpu", "--batch_size", "4", "--output_path",
+           str(out)]
     result = subprocess.run(cmd, cwd=tmp_path, env=OFFLINE_ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     (results_file,) = out.rglob("results*.json")

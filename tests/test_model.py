@@ -35,7 +35,7 @@ def make_model(**overrides):
         (dict(layer_types=["linear_attention"] * 3), "layer_types"),
         (dict(mlp_layer_types=["dense"] * 5), "mlp_layer_types"),
         (dict(layer_types=["linear_attention"] * 3 + ["mamba"]), "layer_types"),
-        (dict(mlp_layer_types=["dense"] * 3 + ["sparse"]), "mlp_layer_types"),
+        (dict(mlp_layer_types=["dense"] * 3 + ["expert"]), "mlp_layer_types"),
         (dict(kda_gate="exp"), "kda_gate"),
         (dict(expert_activation="gelu"), "expert_activation"),
         (dict(router_balancing="sinkhorn"), "router_balancing"),

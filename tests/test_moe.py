@@ -329,7 +329,7 @@ def test_router_weights_and_biased_selection():
 
 
 def test_router_logits_stay_fp32_under_autocast():
-    """DESIGN §3: the router runs in fp32 even when autocast would make the linear layer bf16."""
+    """docs/design.md §3: the router runs in fp32 even when autocast would make the linear layer bf16."""
     router = init_(KDAMoERouter(make_config(num_experts=8)))
     x = torch.randn(64, 16)
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -1,9 +1,15 @@
 """Tokenizer: byte-level BPE round-trip, special tokens, chat template, save/load through AutoTokenizer, CLI."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from transformers import AutoTokenizer
+
+import kdamoe
+from conftest import tiny_config
 
 from kdamoe.data import stdlib_dataset
 from kdamoe.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS, main, train_tokenizer
@@ -56,6 +62,53 @@ def test_chat_template(tok):
     assert tok.chat_template == CHAT_TEMPLATE
     ids = tok(text, add_special_tokens=False)["input_ids"]
     assert ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == 3
+
+
+def test_chat_template_marks_the_assistant_turns(tok):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello there"}, {"role": "user", "content": "more"},
+                {"role": "assistant", "content": "for i in x:\n    pass"}]
+    out = tok.apply_chat_template(messages, return_assistant_tokens_mask=True, return_dict=True)
+    ids, mask = out["input_ids"], out["assistant_masks"]
+    # reference: the masked runs are exactly each assistant turn's content and its closing <|im_end|>
+    runs, run = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            run.append(i)
+        elif run:
+            runs.append(run)
+            run = []
+    runs += [run] if run else []
+    assert runs == [tok(m["content"] + "<|im_end|>", add_special_tokens=False)["input_ids"]
+                    for m in messages if m["role"] == "assistant"]
+    assert ids == tok(tok.apply_chat_template(messages, tokenize=False), add_special_tokens=False)["input_ids"]
+
+
+LOAD_WITHOUT_REMOTE_CODE = """
+import sys
+sys.modules["kdamoe"] = None  # neither the package nor the folder's remote code may run
+from transformers import AutoTokenizer
+path, text = sys.argv[1], sys.argv[2]
+for kwargs in ({}, {"trust_remote_code": False}):
+    tok = AutoTokenizer.from_pretrained(path, **kwargs)
+    chat = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False)
+    print("RESULT", tok(text)["input_ids"], tok.eos_token, chat.count("<|im_start|>"))
+print("RESULT", sorted(name for name in sys.modules if name.startswith("transformers_modules")))
+"""
+
+
+def test_autotokenizer_loads_a_model_folder_without_remote_code(tok, tmp_path):
+    kdamoe.KDAMoEForCausalLM(tiny_config(vocab_size=len(tok))).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    text = "def f(x):\n    return x  # ok"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    result = subprocess.run([sys.executable, "-c", LOAD_WITHOUT_REMOTE_CODE, str(tmp_path), text], cwd=tmp_path,
+                            env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # (without the flag transformers asks whether to run the folder's code; with no answer it goes on without)
+    printed = [line.split("RESULT ", 1)[1] for line in result.stdout.splitlines() if "RESULT " in line]
+    expected = f"{tok(text)['input_ids']} <|endoftext|> 1"
+    assert printed == [expected, expected, "[]"], result.stdout
 
 
 def test_bad_inputs():

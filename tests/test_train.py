@@ -11,15 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdamoe import KDAMoEConfig, KDAMoEForCausalLM
+from kdamoe import KDAMoEConfig, KDAMoEForCausalLM, hub_card
 from kdamoe.data import validation_rows, load_corpus
 from kdamoe.quickstart import generate_in_fresh_process
-from kdamoe.train import learning_rate, param_groups, parse_stages, plan_stages, rescale_stages, train
+from kdamoe.train import (learning_rate, param_groups, parse_stages, plan_stages, rescale_stages, resolve_settings,
+                          train)
 
 MICRO = {
     "preset": "tiny",
     "model": {"hidden_size": 32, "num_hidden_layers": 2, "intermediate_size": 64,
-              "layer_types": ["linear_attention", "full_attention"], "mlp_layer_types": ["moe", "moe"],
+              "layer_types": ["linear_attention", "full_attention"], "mlp_layer_types": ["sparse", "sparse"],
               "kda_num_heads": 2, "kda_head_dim": 16, "num_attention_heads": 2, "num_key_value_heads": 1,
               "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
               "attnres_block_layers": 1},
@@ -126,6 +127,7 @@ def test_output_dir_and_input_errors(setup, base_run, tmp_path):
     (tmp_path / "empty" / "a.txt").write_text("")
     with pytest.raises(ValueError, match="empty"):
         run(setup, tmp_path / "c", "--dataset", str(tmp_path / "empty"), "--stages", "64:1")
+    assert not (tmp_path / "c").exists()  # a failed start leaves no output folder behind
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"training": {"learning_rate": 1.0}}))
     with pytest.raises(ValueError, match="unknown training settings"):
@@ -138,6 +140,77 @@ def test_overwrite_replaces_a_run(setup, tmp_path):
     run(setup, out, "--stages", "32:1", "--overwrite")
     assert [r["step"] for r in metrics(out)] == [1]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000001"]
+
+
+def final_loss(final: Path, val: dict) -> float:
+    """Mean validation loss of the saved model over `val` rows (an independent re-computation)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(final, trust_remote_code=True).eval()
+    with torch.no_grad():
+        losses = [model(**{k: v[i:i + 1] for k, v in val.items()}).loss for i in range(len(val["input_ids"]))]
+    counts = (val["labels"][:, 1:] != -100).sum(1)
+    return float(sum(l * c for l, c in zip(losses, counts)) / counts.sum())
+
+
+def test_one_text_file_trains_and_validates(setup, tmp_path):
+    import datasets
+    from transformers import AutoTokenizer
+
+    lines = [line for row in load_corpus("stdlib", "validation").select(range(8)) for line in
+             row["text"].splitlines(keepends=True)]
+    text = "".join(lines)
+    (tmp_path / "book.txt").write_text(text)
+    tok = AutoTokenizer.from_pretrained(setup["tokenizer"])
+    summary = run(setup, tmp_path / "one", "--dataset", str(tmp_path / "book.txt"), "--stages", "64:2")
+    # validation is the tail of the file from the first line start after 95 % of it, every other line trains
+    offsets = [0]
+    for line in lines:
+        offsets.append(offsets[-1] + len(line))
+    cut = next(o for o in offsets if o >= round(0.95 * len(text)))
+    tail = validation_rows(datasets.Dataset.from_dict({"text": [text[cut:]]}), tok, 64, 4)
+    assert summary["val_loss"] == pytest.approx(final_loss(tmp_path / "one" / "final", tail), abs=1e-5)
+    assert summary["data"]["train_characters"] == cut
+    # an explicit held-out corpus: all of --dataset trains, all of --validation-dataset validates
+    (tmp_path / "other.txt").write_text(text[:cut // 3])
+    summary = run(setup, tmp_path / "two", "--dataset", str(tmp_path / "book.txt"), "--stages", "64:2",
+                  "--validation-dataset", str(tmp_path / "other.txt"))
+    other = validation_rows(datasets.Dataset.from_dict({"text": [text[:cut // 3]]}), tok, 64, 4)
+    assert summary["val_loss"] == pytest.approx(final_loss(tmp_path / "two" / "final", other), abs=1e-5)
+    assert summary["data"]["train_characters"] == len(text)
+    assert summary["data"]["validation_dataset"] == str(tmp_path / "other.txt")
+
+
+def test_resume_keeps_the_card_and_eval(setup, tmp_path):
+    out, final = tmp_path / "r", tmp_path / "r" / "final"
+    run(setup, out, "--stages", "32:4", "--max-steps", "2")
+    hub_card.main([str(final)])
+    (final / "eval").mkdir()
+    (final / "eval" / "eval.json").write_text("{}")
+    card = (final / "README.md").read_text()
+    weights = (final / "model.safetensors").read_bytes()
+    summary = run(setup, out, "--stages", "32:4", "--resume")  # trains steps 3-4 and rewrites the model
+    assert summary["steps"] == 4 and (final / "model.safetensors").read_bytes() != weights
+    assert (final / "README.md").read_text() == card and (final / "eval" / "eval.json").read_text() == "{}"
+    info = (final / "training_info.json").read_text()
+    weights = (final / "model.safetensors").read_bytes()
+    again = run(setup, out, "--stages", "32:4", "--resume")  # finished: nothing to train, nothing rewritten
+    assert again["steps"] == 4 and (final / "training_info.json").read_text() == info
+    assert (final / "model.safetensors").read_bytes() == weights and (final / "README.md").read_text() == card
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4]
+
+
+def test_max_steps_scales_the_warmup_with_the_stages(tmp_path):
+    def resolved(*flags):
+        settings = resolve_settings(["--preset", "tiny", "--output-dir", str(tmp_path), *flags])[0]
+        return settings["stages"], settings["warmup_steps"]
+
+    assert resolved() == ("256:300", 30)
+    assert resolved("--max-steps", "40") == ("256:40", 4)  # 30 of 300 steps -> 4 of 40
+    assert resolved("--max-steps", "40", "--warmup-steps", "10") == ("256:40", 10)  # an explicit warmup stays
+    assert resolved("--stages", "256:300", "--max-steps", "40") == ("256:300", 30)  # stops early in the same run
+    s = {"lr": 1.0, "warmup_steps": 4, "min_lr_ratio": 0.1, "schedule": "cosine", "wsd_decay_fraction": 0.2}
+    assert [learning_rate(i, 40, s) for i in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
 
 
 def test_schedule_plan_and_no_decay_groups():

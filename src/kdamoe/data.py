@@ -10,7 +10,10 @@ Corpora:
 
 The train/validation split is by document and deterministic: a document goes to validation iff
 `sha256(key) mod 10_000 < validation_fraction * 10_000`, where the key is the relative path for `stdlib` and the
-text itself otherwise. A corpus that ships a `validation` split keeps it.
+text itself otherwise. A corpus that ships a `validation` split keeps it. A single text file is one document, so it
+is split by position instead: its last `validation_fraction` of characters, from a line start, is the validation
+split (`split_text`). The split `"all"` is the whole corpus (a Hub dataset's `train` split), for a corpus that is used
+whole for training or for validation.
 
 Packing: each document is tokenised and followed by `eos`; documents are concatenated into one endless token
 stream (documents shuffled per epoch) that is cut into rows of `seq_len` tokens. A row's `position_ids` restart
@@ -38,7 +41,10 @@ import datasets
 import numpy as np
 import torch
 
+from .errors import UsageError
+
 STDLIB = "stdlib"
+SPLITS = ("train", "validation", "all")
 DEFAULT_VALIDATION_FRACTION = 0.05
 _LOCAL_BUILDERS = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json",
                    ".parquet": "parquet"}
@@ -60,21 +66,35 @@ def stdlib_root() -> Path:
 
 def stdlib_dataset(split: str = "train", validation_fraction: float = DEFAULT_VALIDATION_FRACTION) -> datasets.Dataset:
     """The embedded corpus: one row per stdlib `.py` file, columns `text` and `path` (relative), sorted by path."""
-    if split not in ("train", "validation"):
-        raise ValueError(f"`split` must be 'train' or 'validation', got {split!r}")
+    if split not in SPLITS:
+        raise ValueError(f"`split` must be one of {SPLITS}, got {split!r}")
     root = stdlib_root()
     paths = sorted(p for p in root.rglob("*.py")
                    if p.is_file() and not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts))
     rows = {"text": [], "path": []}
     for path in paths:
         rel = path.relative_to(root).as_posix()
-        if is_validation(rel, validation_fraction) != (split == "validation"):
+        if split != "all" and is_validation(rel, validation_fraction) != (split == "validation"):
             continue
         text = path.read_text(encoding="utf-8", errors="replace")
         if text.strip():
             rows["text"].append(text)
             rows["path"].append(rel)
     return datasets.Dataset.from_dict(rows)
+
+
+def split_text(text: str, split: str, validation_fraction: float) -> str:
+    """The `split` part of one text held out by position: validation is the last `validation_fraction` of its
+    characters, starting at the first line start at or after that point; train is the rest."""
+    cut = round((1 - validation_fraction) * len(text))
+    if 0 < cut < len(text) and text[cut - 1] != "\n":
+        newline = text.find("\n", cut)
+        cut = len(text) if newline < 0 else newline + 1
+    return text[:cut] if split == "train" else text[cut:]
+
+
+def _single_text_file(files: list[str]) -> bool:
+    return len(files) == 1 and _LOCAL_BUILDERS.get(Path(files[0]).suffix) == "text"
 
 
 def _local_files(spec: str) -> list[str]:
@@ -94,14 +114,16 @@ def load_corpus(
     text_column: str = "text",
     validation_fraction: float = DEFAULT_VALIDATION_FRACTION,
 ) -> datasets.Dataset | datasets.IterableDataset:
-    """Load one split of a corpus as a `datasets` (Iterable)Dataset with a `text` column (see the module doc).
+    """Load one split (`"train"`, `"validation"` or `"all"`) of a corpus as a `datasets` (Iterable)Dataset with a
+    `text` column (see the module doc).
 
-    Raises `ValueError` for an unknown split, a missing text column, or an empty map-style result.
+    Raises `ValueError` for an unknown split, and `UsageError` for a corpus that cannot be found or read, a missing
+    text column, or an empty map-style result.
     """
-    if split not in ("train", "validation"):
-        raise ValueError(f"`split` must be 'train' or 'validation', got {split!r}")
+    if split not in SPLITS:
+        raise ValueError(f"`split` must be one of {SPLITS}, got {split!r}")
     if not 0.0 < validation_fraction < 1.0:
-        raise ValueError(f"`validation_fraction` must lie in (0, 1), got {validation_fraction}")
+        raise UsageError(f"the validation fraction must lie in (0, 1), got {validation_fraction}")
     if dataset == STDLIB:
         ds = stdlib_dataset(split, validation_fraction)
         return ds.to_iterable_dataset() if streaming else ds
@@ -110,38 +132,56 @@ def load_corpus(
         suffixes = {Path(f).suffix for f in files}
         builders = {_LOCAL_BUILDERS.get(s) for s in suffixes}
         if None in builders or len(builders) != 1:
-            raise ValueError(f"local dataset {dataset!r} must hold one kind of file among "
+            raise UsageError(f"local dataset {dataset!r} must hold one kind of file among "
                              f"{sorted(_LOCAL_BUILDERS)}, got suffixes {sorted(suffixes)}")
         if all(os.path.getsize(f) == 0 for f in files):
-            raise ValueError(f"dataset {dataset!r} is empty (every file has 0 bytes)")
-        builder = builders.pop()
-        kwargs = {"sample_by": "document"} if builder == "text" else {}
-        ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=streaming, **kwargs)
-        own_split = False
+            raise UsageError(f"dataset {dataset!r} is empty (every file has 0 bytes)")
+        builder, single_text = builders.pop(), _single_text_file(files)
+        presplit = split == "all" or single_text
+        if single_text:  # one document: held out by position
+            text = Path(files[0]).read_text(encoding="utf-8", errors="replace")
+            part = text if split == "all" else split_text(text, split, validation_fraction)
+            ds = datasets.Dataset.from_dict({"text": [part] if part.strip() else []})
+            ds = ds.to_iterable_dataset() if streaming else ds
+        else:
+            kwargs = {"sample_by": "document"} if builder == "text" else {}
+            ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=streaming, **kwargs)
     else:
         if os.path.sep in dataset or dataset.startswith("."):
-            raise ValueError(f"dataset {dataset!r} is neither a local file, directory or glob, nor a Hub name")
+            raise UsageError(f"dataset {dataset!r} is neither a local file, directory or glob, nor a Hub name")
         name, _, config = dataset.partition(":")
-        splits = datasets.get_dataset_split_names(name, config or None)
-        own_split = split in splits
-        ds = datasets.load_dataset(name, config or None, split=split if own_split else "train", streaming=streaming)
+        try:
+            splits = datasets.get_dataset_split_names(name, config or None)
+        except (ConnectionError, FileNotFoundError) as error:
+            raise UsageError(f"dataset {dataset!r} is not a local file, directory or glob, and the Hub gave no such "
+                             f"dataset ({error})") from error
+        presplit = split == "all" or split in splits
+        ds = datasets.load_dataset(name, config or None, split=split if split in splits else "train",
+                                   streaming=streaming)
     if text_column not in (ds.column_names or [text_column]):
-        raise ValueError(f"dataset {dataset!r} has no column {text_column!r} (columns: {ds.column_names})")
+        raise UsageError(f"dataset {dataset!r} has no column {text_column!r} (columns: {ds.column_names})")
     if text_column != "text":
         ds = ds.rename_column(text_column, "text")
-    if not own_split:
+    if not presplit:
         want = split == "validation"
         ds = ds.filter(lambda row: is_validation(row["text"], validation_fraction) == want)
     if not streaming and len(ds) == 0:
-        raise ValueError(f"the {split} split of dataset {dataset!r} is empty")
+        hint = "; give a held-out corpus with --validation-dataset" if split == "validation" else ""
+        raise UsageError(f"the {split} split of dataset {dataset!r} is empty{hint}")
     return ds
 
 
 def describe_corpus(dataset: str, train: datasets.Dataset | datasets.IterableDataset,
-                    validation_fraction: float) -> dict:
+                    validation_fraction: float, validation_dataset: str | None = None) -> dict:
     """A JSON-able description of the training corpus (for the run record and the model card)."""
-    info = {"dataset": dataset, "validation_fraction": validation_fraction,
-            "split_rule": "sha256(key) % 10000 < fraction * 10000, key = relative path (stdlib) or text"}
+    if validation_dataset:
+        info = {"dataset": dataset, "validation_dataset": validation_dataset,
+                "split_rule": "every document trains; validation on every document of validation_dataset"}
+    else:
+        single_text = dataset != STDLIB and _single_text_file(_local_files(dataset))
+        info = {"dataset": dataset, "validation_fraction": validation_fraction,
+                "split_rule": "the last fraction of the text, from a line start" if single_text else
+                "sha256(key) % 10000 < fraction * 10000, key = relative path (stdlib) or text"}
     if dataset == STDLIB:
         info.update(description="Python standard library source (.py files) of the training interpreter",
                     python_version=sys.version.split()[0], stdlib_root=str(stdlib_root()))
@@ -183,7 +223,7 @@ class TokenStream:
             if not self.cycle:
                 return None
             if not self._epoch_has_tokens:
-                raise ValueError("the dataset has no tokens (it is empty or every document is empty)")
+                raise UsageError("the dataset has no tokens (it is empty or every document is empty)")
             self._epoch += 1
             self._epoch_has_tokens = False
             self._docs = iter(self._epoch_documents(self._epoch))
@@ -286,7 +326,7 @@ class CorpusStream:
     def __init__(self, ds: datasets.Dataset | datasets.IterableDataset, tokenizer, seed: int,
                  shuffle_buffer: int = 10_000, tokenize_batch: int = 64):
         if isinstance(ds, datasets.Dataset) and len(ds) == 0:
-            raise ValueError("the training dataset is empty")
+            raise UsageError("the training dataset is empty")
         self.eos_token_id = tokenizer.eos_token_id
         self.seed = seed
         self._tokenizer = tokenizer
@@ -382,7 +422,7 @@ def validation_rows(ds: datasets.Dataset | datasets.IterableDataset, tokenizer, 
     tokens, starts = stream.read(seq_len * max_rows * pool_factor)
     pool = len(tokens) // seq_len
     if pool == 0:
-        raise ValueError(f"the validation split has {len(tokens)} tokens, fewer than one row of {seq_len}")
+        raise UsageError(f"the validation split has {len(tokens)} tokens, fewer than one row of {seq_len}")
     n = pool * seq_len
     pick = np.sort(np.random.default_rng(0).choice(pool, size=min(max_rows, pool), replace=False))
     return rows_to_batch(tokens[:n].reshape(pool, seq_len)[pick], starts[:n].reshape(pool, seq_len)[pick])
@@ -402,6 +442,6 @@ def unigram_entropy(labels: torch.Tensor) -> float:
     return float(-(p * p.log()).sum())
 
 
-__all__ = ["STDLIB", "CorpusStream", "PackedBatches", "TokenStream", "describe_corpus", "is_validation", "load_corpus",
-           "pack_documents", "rows_to_batch", "stdlib_dataset", "tokenize_documents", "unigram_entropy",
-           "validation_rows"]
+__all__ = ["SPLITS", "STDLIB", "CorpusStream", "PackedBatches", "TokenStream", "describe_corpus", "is_validation",
+           "load_corpus", "pack_documents", "rows_to_batch", "split_text", "stdlib_dataset", "tokenize_documents",
+           "unigram_entropy", "validation_rows"]

@@ -6,9 +6,9 @@
 Parts (each a top-level key of `eval.json`; every size is a flag, so tests can run them tiny):
 
 - `perplexity`, `bits_per_byte`: next-token loss on packed rows of a held-out split (by default the training run's
-  corpus and validation split, row length and row count, read from `training_info.json`, so the loss equals the
-  training loop's validation loss). Bits per byte divide the summed loss (in bits) by the UTF-8 bytes of the
-  predicted tokens (special tokens count 0 bytes).
+  corpus and validation split, or its `--validation-dataset`, row length and row count, read from
+  `training_info.json`, so the loss equals the training loop's validation loss). Bits per byte divide the summed
+  loss (in bits) by the UTF-8 bytes of the predicted tokens (special tokens count 0 bytes).
 - `length_extrapolation`: loss by token position in rows several times the training length (`loss_by_position.png`).
   Rows are the first tokens of held-out documents at least that long, topped up from the joined document stream.
 - `passkey`: a number hidden at a ladder of depths in filler, at a ladder of context lengths; a trial is correct when
@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .data import STDLIB, TokenStream, load_corpus, tokenize_documents, validation_rows
+from .data import SPLITS, STDLIB, TokenStream, load_corpus, tokenize_documents, validation_rows
+from .errors import UsageError, check_safetensors, run_cli
 from .model.moe import max_violation
 
 PASSKEY_TEMPLATES = {
@@ -71,6 +72,7 @@ class EvalSettings:
     """Every knob of `kdamoe-eval`; None means "from the run's `training_info.json`, else the fallback"."""
 
     dataset: str | None = None  # fallback "stdlib"
+    split: str | None = None  # "validation"; "all" of the run's --validation-dataset
     text_column: str | None = None  # fallback "text"
     validation_fraction: float | None = None  # fallback 0.05
     seq_len: int | None = None  # held-out row length; fallback 512
@@ -243,7 +245,7 @@ def heldout_metrics(model, tokenizer, val: dict[str, torch.Tensor], batch_size: 
     finally:
         probes.remove()
     if tokens == 0:
-        raise ValueError("the held-out rows hold no labelled tokens")
+        raise UsageError("the held-out rows hold no labelled tokens")
     loss = nll_sum / tokens
     ppl = {"value": math.exp(loss), "loss": loss, "bits_per_token": loss / math.log(2), "tokens": tokens,
            "rows": int(val["input_ids"].shape[0]), "seq_len": int(val["input_ids"].shape[1])}
@@ -290,7 +292,7 @@ def long_rows(ds, tokenizer, length: int, rows: int) -> tuple[torch.Tensor, int]
             break
         out.append(tokens.tolist())
     if not out:
-        raise ValueError(f"the held-out split has fewer than {length} tokens (needed for --position-length)")
+        raise UsageError(f"the held-out split has fewer than {length} tokens (needed for --position-length)")
     return torch.tensor(out, dtype=torch.long), from_documents
 
 
@@ -500,7 +502,11 @@ def _resolve(settings: EvalSettings, info: dict) -> EvalSettings:
     stages = info.get("stages") or []
     train_length = max((st["seq_len"] for st in stages), default=None)
     first_length = stages[0]["seq_len"] if stages else None
-    s.dataset = s.dataset or info.get("data", {}).get("dataset") or STDLIB
+    data = info.get("data", {})
+    if s.dataset is None and data.get("validation_dataset"):  # the run validated on a corpus of its own
+        s.dataset, s.split = data["validation_dataset"], s.split or "all"
+    s.dataset = s.dataset or data.get("dataset") or STDLIB
+    s.split = s.split or "validation"
     s.validation_fraction = s.validation_fraction or run.get("validation_fraction") or 0.05
     s.text_column = s.text_column or run.get("text_column") or "text"
     s.seq_len = s.seq_len or first_length or 512
@@ -512,15 +518,15 @@ def _resolve(settings: EvalSettings, info: dict) -> EvalSettings:
     for name in ("seq_len", "rows", "batch_size", "position_length", "position_rows", "position_bins",
                  "passkey_trials"):
         if getattr(s, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(s, name)}")
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(s, name)}")
     if s.seq_len < 2 or s.position_length < 2:
-        raise ValueError("--seq-len and --position-length must be >= 2")
+        raise UsageError("--seq-len and --position-length must be >= 2")
     if s.decode_tokens < 0:
-        raise ValueError(f"--decode-tokens must be >= 0, got {s.decode_tokens}")
+        raise UsageError(f"--decode-tokens must be >= 0, got {s.decode_tokens}")
     if not s.passkey_lengths or not s.passkey_depths or not s.speed_lengths:
-        raise ValueError("--passkey-lengths, --passkey-depths and --speed-lengths must not be empty")
+        raise UsageError("--passkey-lengths, --passkey-depths and --speed-lengths must not be empty")
     if s.passkey_style not in PASSKEY_TEMPLATES:
-        raise ValueError(f"--passkey-style must be one of {sorted(PASSKEY_TEMPLATES)}, got {s.passkey_style!r}")
+        raise UsageError(f"--passkey-style must be one of {sorted(PASSKEY_TEMPLATES)}, got {s.passkey_style!r}")
     return s
 
 
@@ -533,7 +539,7 @@ def _device_and_dtype(settings: EvalSettings) -> tuple[torch.device, torch.dtype
     if settings.dtype == "auto":
         return device, torch.bfloat16 if device.type == "cuda" else torch.float32
     if settings.dtype not in dtypes:
-        raise ValueError(f"--dtype must be 'auto' or one of {sorted(dtypes)}, got {settings.dtype!r}")
+        raise UsageError(f"--dtype must be 'auto' or one of {sorted(dtypes)}, got {settings.dtype!r}")
     return device, dtypes[settings.dtype]
 
 
@@ -544,7 +550,9 @@ def evaluate(path: str | Path, output_dir: str | Path, settings: EvalSettings | 
 
     path, output_dir = Path(path), Path(output_dir)
     if not (path / "config.json").is_file():
-        raise ValueError(f"{path} is not a saved model folder (no config.json)")
+        raise UsageError(f"{path} is not a saved model folder (no config.json)")
+    check_safetensors(path, "restore the folder, or for a kdamoe-train final/ delete it and rerun kdamoe-train "
+                            "--resume, which writes it again from the last checkpoint")
     info_file = path / "training_info.json"
     info = json.loads(info_file.read_text()) if info_file.is_file() else {}
     s = _resolve(settings or EvalSettings(), info)
@@ -554,7 +562,7 @@ def evaluate(path: str | Path, output_dir: str | Path, settings: EvalSettings | 
 
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=dtype).to(device).eval()
-    ds = load_corpus(s.dataset, "validation", text_column=s.text_column, validation_fraction=s.validation_fraction)
+    ds = load_corpus(s.dataset, s.split, text_column=s.text_column, validation_fraction=s.validation_fraction)
     val = validation_rows(ds, tokenizer, s.seq_len, s.rows)
     long, from_docs = long_rows(ds, tokenizer, s.position_length, s.position_rows)
     train_length = max((st["seq_len"] for st in info.get("stages") or []), default=s.seq_len)
@@ -575,7 +583,7 @@ def evaluate(path: str | Path, output_dir: str | Path, settings: EvalSettings | 
         report["speed"] = speed(model, s.speed_lengths, s.decode_tokens, device, bar)
 
     report["perplexity"]["dataset"] = s.dataset
-    report["perplexity"]["split"] = "validation"
+    report["perplexity"]["split"] = s.split
     report["model"] = {"path": str(path.resolve()), "parameters": sum(p.numel() for p in model.parameters()),
                        "train_length": train_length, "trained_val_loss": info.get("val_loss")}
     report["settings"] = asdict(s)
@@ -605,6 +613,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="saved model folder (save_pretrained + tokenizer)")
     p.add_argument("--output-dir", required=True, help="where eval.json and the plots go")
     p.add_argument("--dataset", help="held-out corpus: 'stdlib', local files, or a Hub name (default: the run's)")
+    p.add_argument("--split", choices=SPLITS, help="split of --dataset (default: the run's held-out one)")
     p.add_argument("--text-column", help="default: the run's, else 'text'")
     p.add_argument("--validation-fraction", type=float, help="default: the run's")
     p.add_argument("--seq-len", type=int, help="held-out row length (default: the run's first stage)")
@@ -628,6 +637,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `kdamoe-eval` and `python -m kdamoe.evaluate`."""
+    run_cli("kdamoe-eval", _main, argv)
+
+
+def _main(argv: list[str] | None) -> None:
     args = vars(build_parser().parse_args(argv))
     path, output_dir, quiet = args.pop("path"), args.pop("output_dir"), args.pop("no_progress")
     report = evaluate(path, output_dir, EvalSettings(**args), progress=not quiet)

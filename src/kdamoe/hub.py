@@ -5,7 +5,8 @@
     python -m kdamoe.hub runs/tiny/final your-name/kdamoe-tiny [--private] [--create-pr]
 
 `push_folder` creates the repo if needed and uploads the folder in one commit through `HfApi.create_commit`.
-Training leftovers (checkpoints, temp dirs, caches) are never uploaded. Afterwards anyone can run
+Training leftovers (checkpoints, temp dirs, caches) are never uploaded, nor is a damaged `*.safetensors` file (the
+push stops and names it). Afterwards anyone can run
 `AutoModelForCausalLM.from_pretrained("your-name/kdamoe-tiny", trust_remote_code=True)`.
 """
 
@@ -16,6 +17,9 @@ import fnmatch
 from pathlib import Path
 
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi
+from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError
+
+from .errors import UsageError, check_safetensors, run_cli
 
 IGNORE_PATTERNS = ("checkpoints/*", ".tmp-*", "*/.tmp-*", "__pycache__/*", "*/__pycache__/*", "*.pyc", ".git/*",
                    ".cache/*", "tensorboard/*", ".DS_Store")
@@ -23,10 +27,12 @@ IGNORE_PATTERNS = ("checkpoints/*", ".tmp-*", "*/.tmp-*", "__pycache__/*", "*/__
 
 def folder_operations(path: str | Path, ignore_patterns: tuple[str, ...] = IGNORE_PATTERNS
                       ) -> list[CommitOperationAdd]:
-    """One `CommitOperationAdd` per file under `path` (POSIX paths relative to it), minus `ignore_patterns`."""
+    """One `CommitOperationAdd` per file under `path` (POSIX paths relative to it), minus `ignore_patterns`;
+    `UsageError` if `path` is not a saved model folder or holds a damaged safetensors file."""
     root = Path(path)
     if not (root / "config.json").is_file():
-        raise ValueError(f"{root} is not a saved model folder (no config.json)")
+        raise UsageError(f"{root} is not a saved model folder (no config.json)")
+    check_safetensors(root, "nothing was uploaded")
     operations = []
     for file in sorted(p for p in root.rglob("*") if p.is_file()):
         rel = file.relative_to(root).as_posix()
@@ -50,8 +56,12 @@ def push_folder(path: str | Path, repo_id: str, *, api: HfApi | None = None, tok
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m kdamoe.hub PATH REPO_ID`: push a saved folder to the Hub."""
-    parser = argparse.ArgumentParser(prog="python -m kdamoe.hub", description=__doc__.splitlines()[0])
+    """`kdamoe-push PATH REPO_ID` (`python -m kdamoe.hub`): push a saved folder to the Hub."""
+    run_cli("kdamoe-push", _main, argv)
+
+
+def _main(argv: list[str] | None) -> None:
+    parser = argparse.ArgumentParser(prog="kdamoe-push", description=__doc__.splitlines()[0])
     parser.add_argument("path")
     parser.add_argument("repo_id")
     parser.add_argument("--private", action="store_true")
@@ -59,8 +69,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--create-pr", action="store_true")
     parser.add_argument("--message", default="Upload kdamoe model")
     args = parser.parse_args(argv)
-    info = push_folder(args.path, args.repo_id, private=args.private, revision=args.revision,
-                       create_pr=args.create_pr, commit_message=args.message)
+    try:
+        info = push_folder(args.path, args.repo_id, private=args.private, revision=args.revision,
+                           create_pr=args.create_pr, commit_message=args.message)
+    except (HfHubHTTPError, LocalTokenNotFoundError) as error:  # not logged in, no access, Hub unreachable
+        raise UsageError(f"pushing to {args.repo_id} failed: {error}") from error
     print(f"pushed {args.path} to {info.commit_url}")
 
 

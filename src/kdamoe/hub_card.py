@@ -7,7 +7,9 @@ The card is built with `huggingface_hub`'s `ModelCard` / `ModelCardData`: licens
 parameter table from the config (total parameters, and active parameters per token = everything but the routed
 experts, plus k/E of the routed experts), the training data and recipe from `training_info.json` (written by
 `kdamoe-train`), the evaluation results and plots of `kdamoe-eval` (copied into `PATH/eval/` so the card's links
-resolve on the Hub), and a usage snippet that loads the model with `trust_remote_code=True`.
+resolve on the Hub), usage snippets that need only `transformers` (`trust_remote_code=True`; the lm-evaluation-harness
+task files are copied into `PATH/lm_eval_tasks/` so they travel with the model), intended use and limitations,
+fine-tuning with PEFT / `Trainer` / TRL, and citations.
 """
 
 from __future__ import annotations
@@ -21,10 +23,40 @@ import torch
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from .data import STDLIB
+from .errors import UsageError, run_cli
+from .evaluate import LM_EVAL_TASK_DIR
 
 TAGS = ["kdamoe", "custom_code", "kda", "linear-attention", "moe", "mixture-of-experts", "attention-residuals",
         "long-context"]
 EVAL_SUBDIR = "eval"
+TASK_SUBDIR = "lm_eval_tasks"
+CITATIONS = """```bibtex
+@misc{kimiteam2025kimilinear,
+  title         = {Kimi Linear: An Expressive, Efficient Attention Architecture},
+  author        = {{Kimi Team} and Yu Zhang and Zongyu Lin and Xingcheng Yao and Jiaxi Hu and others},
+  year          = {2025},
+  eprint        = {2510.26692},
+  archivePrefix = {arXiv},
+  primaryClass  = {cs.CL},
+  url           = {https://arxiv.org/abs/2510.26692}
+}
+
+@misc{su2026quantilebalancing,
+  title  = {{MoE} Travelogue 6: Optimal Assignment for Load Balancing (Quantile Balancing; in Chinese)},
+  author = {Jianlin Su},
+  year   = {2026},
+  url    = {https://kexue.fm/archives/11619}
+}
+
+@misc{kimiteam2026attnres,
+  title         = {Attention Residuals},
+  author        = {{Kimi Team}},
+  year          = {2026},
+  eprint        = {2603.15031},
+  archivePrefix = {arXiv},
+  url           = {https://arxiv.org/abs/2603.15031}
+}
+```"""
 PLOT_TITLES = {
     "length_extrapolation": "Loss by token position (length extrapolation)",
     "passkey": "Passkey retrieval",
@@ -81,7 +113,7 @@ def architecture_section(config) -> str:
     """Markdown: the layer layout and shapes of the config."""
     n_kda = config.layer_types.count("linear_attention")
     n_attn = config.layer_types.count("full_attention")
-    n_moe = config.mlp_layer_types.count("moe")
+    n_moe = config.mlp_layer_types.count("sparse")
     gate = (f"bounded, lower bound {config.kda_gate_lower_bound}" if config.kda_gate == "bounded"
             else "softplus (unbounded)")
     pattern = " ".join("K" if t == "linear_attention" else "A" for t in config.layer_types)
@@ -128,7 +160,8 @@ def training_section(info: dict) -> str:
         ("data", data.get("description") or str(data.get("dataset", "unknown"))),
         ("dataset", f"`{data.get('dataset', 'unknown')}`"
                     + (f", {data['train_documents']:,} training documents" if "train_documents" in data else "")),
-        ("held-out split", f"{data.get('validation_fraction', '?')} of the documents ({data.get('split_rule', '')})"),
+        ("held-out split", f"every document of `{data['validation_dataset']}`" if data.get("validation_dataset")
+         else f"{data.get('validation_fraction', '?')} ({data.get('split_rule', '')})"),
         ("tokenizer", f"byte-level BPE, {info.get('tokenizer', {}).get('vocab_size', '?')} tokens"),
         ("steps / tokens", f"{info.get('steps', '?')} optimizer steps, {info.get('tokens_trained', 0):,} tokens"),
         ("context stages", stages or "?"),
@@ -223,11 +256,65 @@ generator = pipeline("text-generation", model="{repo_id}", trust_remote_code=Tru
 print(generator("import os\\n", max_new_tokens=32, do_sample=False)[0]["generated_text"])
 ```
 
-lm-evaluation-harness (a small local task ships with the `kdamoe` package, no download):
+lm-evaluation-harness: any task with `--model hf --model_args pretrained={repo_id},trust_remote_code=True`; the repo
+also carries `kdamoe_pycloze`, a small Python cloze task (multiple choice by log-likelihood, no dataset download):
 
 ```bash
+hf download {repo_id} --include "{TASK_SUBDIR}/*" --local-dir kdamoe-tasks
 lm_eval --model hf --model_args pretrained={repo_id},trust_remote_code=True \\
-    --tasks kdamoe_pycloze --include_path $(python -c "import kdamoe.evaluate as e; print(e.LM_EVAL_TASK_DIR)")
+    --tasks kdamoe_pycloze --include_path kdamoe-tasks/{TASK_SUBDIR}
+```"""
+
+
+def intended_use_section(info: dict) -> str:
+    data = info.get("data", {})
+    corpus = f" on {data.get('description') or '`' + str(data['dataset']) + '`'}" if "dataset" in data else ""
+    return f"""A research model: for studying long-context, very sparse MoE language models built from KDA linear
+attention, Quantile-Balanced routing and Block Attention Residuals (training dynamics, expert load, length
+extrapolation, decoding cost), and as a starting point for fine-tuning such models. It was pretrained{corpus} as a
+plain language model, with no instruction tuning, preference tuning or safety training."""
+
+
+def limitations_section() -> str:
+    return """- Small and briefly trained: its continuations are often wrong or meaningless, above all outside its
+  training data. Do not use it to make decisions or to produce text for people without review.
+- The numbers below come from the held-out split of its own training corpus and from small synthetic probes
+  (passkey retrieval, loss by position); they say nothing about general ability.
+- The model runs remote code (`trust_remote_code=True`): read the `*.py` files of the repo before running them.
+  On CUDA with `triton` installed it uses Triton kernels; elsewhere a slower pure-PyTorch path.
+- The MoE router biases move only when training code calls `model.apply_load_balancing()` once per optimizer step
+  (see Fine-tuning); without it they stay as trained and expert load may drift during fine-tuning."""
+
+
+def finetuning_section() -> str:
+    return """The chat template is ChatML with the assistant turns marked for training, so TRL's
+`SFTConfig(assistant_only_loss=True)` (or `apply_chat_template(..., return_assistant_tokens_mask=True)`) trains on
+the assistant tokens only. The router is balanced by Quantile Balancing, not by a loss: the config's
+`router_aux_loss_coef` is 0 and `output_router_logits` is off, so neither `Trainer` nor TRL adds a load-balancing
+loss (`loss` is the language-model loss); instead call `apply_load_balancing()` after every optimizer step:
+
+```python
+from transformers import TrainerCallback
+
+class LoadBalancing(TrainerCallback):  # `kdamoe.LoadBalancingCallback` does the same and logs MaxVio
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        getattr(model, "module", model).apply_load_balancing()
+
+# trainer = transformers.Trainer(..., callbacks=[LoadBalancing()])
+# trainer = trl.SFTTrainer(model=model, args=trl.SFTConfig(...), ..., callbacks=[LoadBalancing()])
+```
+
+PEFT LoRA: `target_modules="all-linear"` adapts every projection (attention and KDA `q/k/v/o_proj`, KDA's
+`beta_proj`, `decay_*_proj` and `out_gate_*_proj`, the dense and shared-expert `gate/up/down_proj`); the routed
+experts are 3-D parameters, adapted through `target_parameters`. The router (`router.weight`, `router.bias`) is
+best left as it is.
+
+```python
+from peft import LoraConfig, get_peft_model
+
+lora = LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
+                  target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+model = get_peft_model(model, lora)
 ```"""
 
 
@@ -241,7 +328,7 @@ def build_card(path: str | Path, eval_json: str | Path | None = None, repo_id: s
 
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise ValueError(f"{path} is not a saved model folder (no config.json)")
+        raise UsageError(f"{path} is not a saved model folder (no config.json)")
     config = KDAMoEConfig.from_pretrained(path)
     repo_id = repo_id or f"your-name/{path.resolve().name}"
     model_name = model_name or repo_id.rsplit("/", 1)[-1]
@@ -253,7 +340,7 @@ def build_card(path: str | Path, eval_json: str | Path | None = None, repo_id: s
     if eval_json is not None:
         eval_json = Path(eval_json)
         if not eval_json.is_file():
-            raise ValueError(f"--eval {eval_json} does not exist")
+            raise UsageError(f"--eval {eval_json} does not exist")
         report = json.loads(eval_json.read_text())
         eval_dir.mkdir(exist_ok=True)
         if eval_json.resolve() != (eval_dir / "eval.json").resolve():
@@ -265,7 +352,7 @@ def build_card(path: str | Path, eval_json: str | Path | None = None, repo_id: s
         report = json.loads((eval_dir / "eval.json").read_text())
     missing = {"perplexity", "bits_per_byte", "passkey", "moe", "attnres", "speed"} - set(report or {})
     if report is not None and missing:
-        raise ValueError(f"the eval report lacks {sorted(missing)}; write it with kdamoe-eval")
+        raise UsageError(f"the eval report lacks {sorted(missing)}; write it with kdamoe-eval")
 
     hub_dataset = _hub_dataset_id(info.get("data", {}).get("dataset"))
     card_data = ModelCardData(
@@ -277,6 +364,8 @@ def build_card(path: str | Path, eval_json: str | Path | None = None, repo_id: s
         datasets=[hub_dataset] if hub_dataset else None,
         eval_results=eval_results(report, model_name) if report else None,
     )
+    shutil.copytree(LM_EVAL_TASK_DIR, path / TASK_SUBDIR, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("__pycache__"))
     counts = parameter_counts(config)
     plots = {part: name for part, name in (report or {}).get("plots", {}).items() if (eval_dir / name).is_file()}
     sections = [
@@ -287,17 +376,25 @@ def build_card(path: str | Path, eval_json: str | Path | None = None, repo_id: s
         "balanced by Quantile Balancing (auxiliary-loss-free, closed-form router biases); and Block Attention "
         "Residuals (softmax attention over depth in place of the residual sum).",
         "## Usage", usage_section(repo_id),
+        "## Intended use", intended_use_section(info),
+        "## Limitations", limitations_section(),
+        "## Fine-tuning", finetuning_section(),
         "## Architecture", architecture_section(config),
         "## Parameters", parameter_section(counts, config),
         "## Training", training_section(info),
         "## Evaluation",
         evaluation_section(report, plots) if report else "Not evaluated yet: run `kdamoe-eval` and rebuild the card.",
+        "## Citation", "The three techniques this model is built from:", CITATIONS,
     ]
     return ModelCard(f"---\n{card_data.to_yaml()}\n---\n\n" + "\n\n".join(sections) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `kdamoe-card` and `python -m kdamoe.hub_card`: writes `PATH/README.md`."""
+    run_cli("kdamoe-card", _main, argv)
+
+
+def _main(argv: list[str] | None) -> None:
     parser = argparse.ArgumentParser(prog="kdamoe-card", description=__doc__.splitlines()[0])
     parser.add_argument("path", help="saved model folder")
     parser.add_argument("--eval", dest="eval_json", help="eval.json written by kdamoe-eval")

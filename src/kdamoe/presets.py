@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .errors import UsageError
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -36,7 +38,7 @@ PRESETS: dict[str, Preset] = {
             num_hidden_layers=4,
             intermediate_size=384,
             layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-            mlp_layer_types=["dense", "moe", "moe", "moe"],
+            mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
             kda_num_heads=2,
             kda_head_dim=64,
             num_attention_heads=2,
@@ -80,9 +82,9 @@ PRESETS: dict[str, Preset] = {
 
 
 def get_preset(name: str) -> Preset:
-    """The preset called `name`; `ValueError` listing the known ones otherwise."""
+    """The preset called `name`; `UsageError` listing the known ones otherwise."""
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; known presets: {sorted(PRESETS)}")
+        raise UsageError(f"unknown preset {name!r}; known presets: {sorted(PRESETS)}")
     return PRESETS[name]
 
 

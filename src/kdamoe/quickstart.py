@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from .errors import run_cli
 from .train import train
 
 GENERATE = r"""
@@ -48,27 +49,15 @@ def generate_in_fresh_process(final_dir: Path, prompt: str) -> str:
     return result.stdout
 
 
-def idle_cores() -> int:
-    """Cores not busy with other work right now (CPU count minus the 1-minute load average, at least 1).
-
-    On a shared CPU box, torch threads that outnumber the idle cores stall each other at every parallel region (a
-    2-thread run next to one busy process was measured 2-10x slower than a 1-thread run), so the quickstart uses
-    only the idle cores; pass `--threads N` to choose yourself.
-    """
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(cpus, round(cpus - os.getloadavg()[0])))
-
-
-def main(argv: list[str] | None = None) -> None:
+def quickstart(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kdamoe.quickstart", description=__doc__.splitlines()[0])
     parser.add_argument("--output-dir", default="runs/quickstart")
     parser.add_argument("--prompt", default="def ")
     args, train_flags = parser.parse_known_args(argv)
     start = time.perf_counter()
     flags = ["--preset", "tiny", "--output-dir", args.output_dir, *train_flags]
-    if "--threads" not in flags and not torch.cuda.is_available():
-        flags += ["--threads", str(idle_cores())]
-        print(f"CPU threads: {flags[-1]} (idle cores now; override with --threads)")
+    if not torch.cuda.is_available() and "--threads" not in flags:
+        print(f"CPU threads: {torch.get_num_threads()} (torch's default; choose with --threads N)")
     if "--resume" not in flags:
         flags.append("--overwrite")
     summary = train(flags)
@@ -77,6 +66,10 @@ def main(argv: list[str] | None = None) -> None:
     final_dir = Path(args.output_dir) / "final"
     print(f"saved {final_dir}; loading it in a fresh process (HF_HUB_OFFLINE=1, trust_remote_code=True) ...")
     print(generate_in_fresh_process(final_dir, args.prompt))
+
+
+def main(argv: list[str] | None = None) -> None:
+    run_cli("python -m kdamoe.quickstart", quickstart, argv)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 Byte-level means every string round-trips exactly (`decode(encode(s)) == s`, no unknown token). Special tokens:
 `<|endoftext|>` (eos, appended to every training document), `<|pad|>`, `<|startoftext|>` (bos; not added by
-default) and `<|im_start|>` / `<|im_end|>` for a ChatML-style chat template. The saved folder loads with
-`AutoTokenizer.from_pretrained(path)`.
+default) and `<|im_start|>` / `<|im_end|>` for a ChatML chat template whose assistant turns are marked for
+training (`return_assistant_tokens_mask`, TRL's `assistant_only_loss`). The saved folder loads with
+`AutoTokenizer.from_pretrained(path)`, no remote code needed.
 
     kdamoe-tokenizer --dataset stdlib --vocab-size 4096 --output-dir runs/tokenizer
 """
@@ -16,14 +17,22 @@ from collections.abc import Iterable, Iterator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from .errors import UsageError, run_cli
+
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 BOS_TOKEN = "<|startoftext|>"
 CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
 SPECIAL_TOKENS = (EOS_TOKEN, PAD_TOKEN, BOS_TOKEN, *CHAT_TOKENS)
+# ChatML. An assistant turn's content and its closing <|im_end|> sit inside {% generation %} ... {% endgeneration %},
+# so `apply_chat_template(..., return_assistant_tokens_mask=True)` (TRL's `assistant_only_loss`) marks them.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}"
+    "{{ '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
@@ -52,15 +61,15 @@ def train_tokenizer(
     """Train a byte-level BPE of `vocab_size` tokens (special tokens included) on `texts`.
 
     Only the first `max_chars` characters are used (None: all). Returns the wrapped fast tokenizer; saves it to
-    `save_dir` when given. Raises `ValueError` if `vocab_size` cannot hold the 256 bytes and the special tokens,
+    `save_dir` when given. Raises `UsageError` if `vocab_size` cannot hold the 256 bytes and the special tokens,
     or if `texts` is empty.
     """
     minimum = 256 + len(SPECIAL_TOKENS)
     if vocab_size < minimum:
-        raise ValueError(f"`vocab_size` must be at least {minimum} (256 bytes + special tokens), got {vocab_size}")
+        raise UsageError(f"`vocab_size` must be at least {minimum} (256 bytes + special tokens), got {vocab_size}")
     sample = [t for t in _limited(texts, max_chars) if t]
     if not sample:
-        raise ValueError("cannot train a tokenizer on an empty corpus")
+        raise UsageError("cannot train a tokenizer on an empty corpus")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -89,6 +98,10 @@ def train_tokenizer(
 
 def main(argv: list[str] | None = None) -> None:
     """`kdamoe-tokenizer`: train a tokenizer on the train split of a corpus and save it."""
+    run_cli("kdamoe-tokenizer", _main, argv)
+
+
+def _main(argv: list[str] | None) -> None:
     from .data import STDLIB, load_corpus
 
     parser = argparse.ArgumentParser(prog="kdamoe-tokenizer", description=__doc__.splitlines()[0])

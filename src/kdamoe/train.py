@@ -13,8 +13,12 @@ A config file is JSON: `{"preset": "tiny", "model": {KDAMoEConfig overrides}, "m
 per optimizer step stay those of the first stage (`micro_batch_size * L1 * grad_accum * world_size`): a later
 stage with rows `r` times longer uses `r` times fewer rows per micro-batch (at least 1), then more accumulation.
 `--max-steps N` without `--stages` on the command line rescales the preset's (or config file's) stages to N steps
-in total; with `--stages` it stops after N steps of the staged run (the learning-rate schedule still spans every
-stage, so `--resume` continues the same run).
+in total, and its warmup by the same factor unless `--warmup-steps` is given; with `--stages` it stops after N steps
+of the staged run (the learning-rate schedule, warmup included, still spans every stage, so `--resume` continues the
+same run).
+
+**Validation** uses the held-out split of `--dataset` (see `kdamoe.data`), or with `--validation-dataset` every
+document of that corpus, and then every document of `--dataset` trains.
 
 **Data order** is a function of the step only: the global batch of step s is `rows` packed rows drawn from a
 shuffled window of one deterministic token stream (`kdamoe.data.PackedBatches`); rank r, micro-batch m takes rows
@@ -28,7 +32,10 @@ or `attn_res` (see `param_groups`). Learning rate: linear warmup then cosine to 
 **Outputs** in `--output-dir`: `run_config.json`, `metrics.jsonl` (one JSON line per optimizer step),
 `tensorboard/`, `tokenizer/`, `checkpoints/step_XXXXXXXX` (`accelerator.save_state`, written to a hidden temp
 dir and renamed when complete) and `final/` (`save_pretrained` + tokenizer + generation config +
-`training_info.json`).
+`training_info.json`). `--resume` on a finished run changes nothing; one that trains further rewrites `final/` but
+keeps what other tools added there (the model card, `eval/`).
+
+**Errors** in what was asked for (flags, config file, data, output folder) are one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ from tqdm.auto import tqdm
 
 from .data import (STDLIB, CorpusStream, PackedBatches, describe_corpus, load_corpus, rows_to_batch, unigram_entropy,
                    validation_rows)
+from .errors import UsageError, check_safetensors, run_cli
 from .presets import PRESETS, get_preset
 
 NO_DECAY_MARKERS = ("A_log", "dt_bias", "norm", "attn_res")
@@ -62,8 +70,8 @@ RUN_ARTEFACTS = ("run_config.json", "metrics.jsonl", "checkpoints", "final", "to
 RESUME_FREE = {"max_steps", "save_every", "keep_checkpoints", "resume", "overwrite", "eval_every", "output_dir",
                "threads"}
 DEFAULTS = dict(
-    dataset=STDLIB, text_column="text", streaming=False, validation_fraction=0.05, tokenizer=None,
-    tokenizer_vocab_size=None, stages=None, max_steps=None, micro_batch_size=8, grad_accum=1, lr=1e-3,
+    dataset=STDLIB, validation_dataset=None, text_column="text", streaming=False, validation_fraction=0.05,
+    tokenizer=None, tokenizer_vocab_size=None, stages=None, max_steps=None, micro_batch_size=8, grad_accum=1, lr=1e-3,
     min_lr_ratio=0.1, weight_decay=0.1, beta1=0.9, beta2=0.95, adam_eps=1e-8, warmup_steps=100,
     schedule="cosine", wsd_decay_fraction=0.2, max_grad_norm=1.0, save_every=0, keep_checkpoints=2,
     seed=0, val_rows=32, eval_every=0, shuffle_window_tokens=1 << 20, threads=0, mixed_precision="auto", gradient_checkpointing=False,
@@ -87,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="delete the run already in --output-dir")
     g = p.add_argument_group("data")
     g.add_argument("--dataset", help="'stdlib' (embedded), local text/jsonl/parquet files, dir or glob, or a Hub name")
+    g.add_argument("--validation-dataset",
+                   help="validate on every document of this corpus (same forms as --dataset); all of --dataset trains")
     g.add_argument("--text-column")
     g.add_argument("--streaming", action="store_true", default=None, help="stream the training corpus")
     g.add_argument("--validation-fraction", type=float)
@@ -106,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--beta1", type=float)
     t.add_argument("--beta2", type=float)
     t.add_argument("--adam-eps", type=float)
-    t.add_argument("--warmup-steps", type=int)
+    t.add_argument("--warmup-steps", type=int, help="(scaled with the stages by --max-steps unless given)")
     t.add_argument("--schedule", choices=("cosine", "wsd"))
     t.add_argument("--wsd-decay-fraction", type=float)
     t.add_argument("--max-grad-norm", type=float)
@@ -130,17 +140,19 @@ def resolve_settings(argv: list[str] | None = None) -> tuple[dict, dict, dict]:
     args = vars(build_parser().parse_args(argv))
     file_cfg = {}
     if args["config"]:
-        with open(args["config"]) as f:
-            file_cfg = json.load(f)
+        try:
+            file_cfg = json.loads(Path(args["config"]).read_text())
+        except (OSError, ValueError) as error:
+            raise UsageError(f"--config {args['config']}: {error}") from error
         unknown = set(file_cfg) - {"preset", "model", "max_seq_len", "tokenizer_vocab_size", "training"}
         if unknown:
-            raise ValueError(f"config file {args['config']}: unknown keys {sorted(unknown)}")
+            raise UsageError(f"config file {args['config']}: unknown keys {sorted(unknown)}")
     preset_name = args["preset"] or file_cfg.get("preset") or "tiny"
     preset = get_preset(preset_name)
     file_training = file_cfg.get("training", {})
     unknown = (set(file_training) | set(preset.training)) - set(DEFAULTS)
     if unknown:
-        raise ValueError(f"unknown training settings {sorted(unknown)}; known: {sorted(DEFAULTS)}")
+        raise UsageError(f"unknown training settings {sorted(unknown)}; known: {sorted(DEFAULTS)}")
     settings = {}
     for key, default in DEFAULTS.items():
         value = args.get(key)
@@ -154,25 +166,29 @@ def resolve_settings(argv: list[str] | None = None) -> tuple[dict, dict, dict]:
               "tokenizer_vocab_size": int(settings["tokenizer_vocab_size"]
                                           or file_cfg.get("tokenizer_vocab_size", preset.tokenizer_vocab_size))}
     if settings["stages"] is None:
-        raise ValueError("no --stages given and the preset / config file defines none")
+        raise UsageError("no --stages given and the preset / config file defines none")
     if args["stages"] is None and settings["max_steps"] is not None:
-        stages = rescale_stages(parse_stages(settings["stages"], limits["max_seq_len"]), settings["max_steps"])
-        settings["stages"] = ",".join(f"{length}:{steps}" for length, steps in stages)
+        stages = parse_stages(settings["stages"], limits["max_seq_len"])
+        scale = settings["max_steps"] / sum(steps for _, steps in stages)
+        settings["stages"] = ",".join(f"{length}:{steps}" for length, steps in
+                                      rescale_stages(stages, settings["max_steps"]))
+        if args["warmup_steps"] is None:
+            settings["warmup_steps"] = round(settings["warmup_steps"] * scale)
     return settings, model_kwargs, limits
 
 
 def parse_stages(spec: str, max_seq_len: int) -> list[tuple[int, int]]:
-    """`"512:200,2048:100"` -> `[(512, 200), (2048, 100)]`; `ValueError` on bad syntax or a length above the max."""
+    """`"512:200,2048:100"` -> `[(512, 200), (2048, 100)]`; `UsageError` on bad syntax or a length above the max."""
     stages = []
     for part in spec.split(","):
         match = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", part)
         if not match:
-            raise ValueError(f"bad stage {part!r} in --stages {spec!r}; expected seq_len:steps[,seq_len:steps...]")
+            raise UsageError(f"bad stage {part!r} in --stages {spec!r}; expected seq_len:steps[,seq_len:steps...]")
         length, steps = int(match[1]), int(match[2])
         if length < 2 or steps < 1:
-            raise ValueError(f"stage {part!r}: seq_len must be >= 2 and steps >= 1")
+            raise UsageError(f"stage {part!r}: seq_len must be >= 2 and steps >= 1")
         if length > max_seq_len:
-            raise ValueError(f"stage {part!r}: sequence length {length} is above the preset's maximum {max_seq_len}")
+            raise UsageError(f"stage {part!r}: sequence length {length} is above the preset's maximum {max_seq_len}")
         stages.append((length, steps))
     return stages
 
@@ -180,7 +196,7 @@ def parse_stages(spec: str, max_seq_len: int) -> list[tuple[int, int]]:
 def rescale_stages(stages: list[tuple[int, int]], total: int) -> list[tuple[int, int]]:
     """Scale the steps of `stages` to sum to `total` (proportionally; stages that would get 0 steps are dropped)."""
     if total < 1:
-        raise ValueError(f"--max-steps must be >= 1, got {total}")
+        raise UsageError(f"--max-steps must be >= 1, got {total}")
     old = sum(s for _, s in stages)
     bounds = [round(total * sum(s for _, s in stages[: i + 1]) / old) for i in range(len(stages))]
     steps = [b - a for a, b in zip([0, *bounds[:-1]], bounds)]
@@ -202,7 +218,7 @@ class StagePlan:
 def plan_stages(stages: list[tuple[int, int]], micro_batch_size: int, grad_accum: int, world: int) -> list[StagePlan]:
     """Micro-batch and accumulation per stage, keeping the first stage's tokens per optimizer step."""
     if micro_batch_size < 1 or grad_accum < 1:
-        raise ValueError("--micro-batch-size and --grad-accum must be >= 1")
+        raise UsageError("--micro-batch-size and --grad-accum must be >= 1")
     first = stages[0][0]
     tokens_per_step = micro_batch_size * first * grad_accum * world
     plans = []
@@ -271,19 +287,16 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     return max(done, key=lambda d: d.name, default=None)
 
 
-def prepare_output_dir(settings: dict, is_main: bool) -> None:
-    """Refuse to mix runs: an output dir holding a run needs --resume or --overwrite (which deletes that run)."""
+def check_output_dir(settings: dict) -> list[str]:
+    """Refuse to mix runs: an output dir holding a run needs --resume or --overwrite. Returns the run's artefacts."""
     out = Path(settings["output_dir"])
     existing = [name for name in RUN_ARTEFACTS if (out / name).exists()]
     if existing and not (settings["resume"] or settings["overwrite"]):
-        raise ValueError(f"output directory {out} holds another run ({', '.join(existing)}); pass --resume to "
+        raise UsageError(f"output directory {out} holds another run ({', '.join(existing)}); pass --resume to "
                          f"continue it or --overwrite to replace it")
     if settings["resume"] and settings["overwrite"]:
-        raise ValueError("--resume and --overwrite exclude each other")
-    if settings["overwrite"] and is_main:
-        for name in existing:
-            path = out / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        raise UsageError("--resume and --overwrite exclude each other")
+    return existing
 
 
 def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, state: dict, keep: int) -> Path:
@@ -344,9 +357,12 @@ def _load_or_train_tokenizer(settings: dict, limits: dict, train_ds, accelerator
     if need_training and accelerator.is_main_process:
         train_tokenizer((row["text"] for row in train_ds), limits["tokenizer_vocab_size"], save_dir=path)
     accelerator.wait_for_everyone()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        raise UsageError(f"--tokenizer {path}: {error}") from error
     if tokenizer.eos_token_id is None:
-        raise ValueError(f"tokenizer {path} has no eos token (needed to separate packed documents)")
+        raise UsageError(f"tokenizer {path} has no eos token (needed to separate packed documents)")
     return tokenizer
 
 
@@ -370,9 +386,9 @@ def train(argv: list[str] | None = None, return_model: bool = False):
     for key, low in (("val_rows", 1), ("keep_checkpoints", 0), ("save_every", 0), ("eval_every", 0),
                      ("warmup_steps", 0), ("max_steps", 1), ("shuffle_window_tokens", 1), ("threads", 0)):
         if settings[key] is not None and settings[key] < low:
-            raise ValueError(f"--{key.replace('_', '-')} must be >= {low}, got {settings[key]}")
+            raise UsageError(f"--{key.replace('_', '-')} must be >= {low}, got {settings[key]}")
     if settings["max_grad_norm"] <= 0 or settings["lr"] <= 0:
-        raise ValueError("--lr and --max-grad-norm must be > 0")
+        raise UsageError("--lr and --max-grad-norm must be > 0")
     out = Path(settings["output_dir"])
     if settings["threads"]:
         torch.set_num_threads(settings["threads"])
@@ -387,27 +403,41 @@ def train(argv: list[str] | None = None, return_model: bool = False):
     accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=mixed, log_with="tensorboard",
                               project_dir=str(out), kwargs_handlers=[ddp])
     world = accelerator.num_processes
-    prepare_output_dir(settings, accelerator.is_main_process)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-    accelerator.wait_for_everyone()
+    previous_run = check_output_dir(settings)
     plans = plan_stages(stages, settings["micro_batch_size"], settings["grad_accum"], world)
     set_seed(settings["seed"])
 
-    # data and tokenizer
-    train_ds = load_corpus(settings["dataset"], "train", streaming=settings["streaming"],
-                           text_column=settings["text_column"], validation_fraction=settings["validation_fraction"])
-    val_ds = load_corpus(settings["dataset"], "validation", text_column=settings["text_column"],
-                         validation_fraction=settings["validation_fraction"], streaming=settings["streaming"])
-    tokenizer = _load_or_train_tokenizer(settings, limits, train_ds, accelerator, out)
-    corpus = CorpusStream(train_ds, tokenizer, settings["seed"])
-    val = validation_rows(val_ds, tokenizer, plans[0].seq_len, settings["val_rows"])
+    # data (read before anything is written, so that a bad corpus leaves the output folder as it was)
+    corpus_kwargs = dict(streaming=settings["streaming"], text_column=settings["text_column"],
+                         validation_fraction=settings["validation_fraction"])
+    held_out = settings["validation_dataset"]
+    train_ds = load_corpus(settings["dataset"], "all" if held_out else "train", **corpus_kwargs)
+    val_ds = load_corpus(held_out or settings["dataset"], "all" if held_out else "validation", **corpus_kwargs)
+    created = not out.exists()
+    if accelerator.is_main_process:
+        for name in previous_run if settings["overwrite"] else []:
+            shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
+        out.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+    new = [out / name for name in RUN_ARTEFACTS if not (out / name).exists()]
+    try:
+        tokenizer = _load_or_train_tokenizer(settings, limits, train_ds, accelerator, out)
+        corpus = CorpusStream(train_ds, tokenizer, settings["seed"])
+        val = validation_rows(val_ds, tokenizer, plans[0].seq_len, settings["val_rows"])
+        try:
+            config = KDAMoEConfig(**{**model_kwargs, "vocab_size": len(tokenizer),
+                                     "pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
+                                     "eos_token_id": tokenizer.eos_token_id})
+        except ValueError as error:
+            raise UsageError(f"model config: {error}") from error
+    except UsageError:  # a user error before training: leave no half-made run behind
+        if accelerator.is_main_process:
+            for path in [out] if created else new:
+                shutil.rmtree(path, ignore_errors=True)
+        raise
     baseline = unigram_entropy(val["labels"])
 
     # model and optimizer
-    config = KDAMoEConfig(**{**model_kwargs, "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
-                             "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id})
     fingerprint = _fingerprint(settings, config.to_dict(), world)
     model = KDAMoEForCausalLM(config)
     if settings["gradient_checkpointing"]:  # transformers >= 5.2x names it activation_checkpointing_enable
@@ -424,10 +454,16 @@ def train(argv: list[str] | None = None, return_model: bool = False):
             state = json.load(f)
         diffs = _differences(state["fingerprint"], json.loads(json.dumps(fingerprint)))
         if diffs:
-            raise ValueError(f"checkpoint {checkpoint} comes from a different config:\n  " + "\n  ".join(diffs))
+            raise UsageError(f"checkpoint {checkpoint} comes from a different config: " + "; ".join(diffs))
+        check_safetensors(checkpoint, f"delete {checkpoint} to resume from the checkpoint before it")
         accelerator.load_state(str(checkpoint))
         start_step = state["step"]
         accelerator.print(f"resumed from {checkpoint} at step {start_step}")
+        info = out / "final" / "training_info.json"
+        if start_step >= end_step and info.is_file():
+            accelerator.print(f"the run already reached step {end_step}: nothing to train, {out / 'final'} is kept")
+            summary = json.loads(info.read_text())
+            return (summary, raw_model) if return_model else summary
     elif settings["resume"]:
         accelerator.print(f"--resume: no checkpoint in {out}, starting from scratch")
 
@@ -534,7 +570,7 @@ def train(argv: list[str] | None = None, return_model: bool = False):
         "train_seconds_this_process": train_seconds, "tokens_trained_this_process": trained_tokens,
         "val_loss_before": val_before, "val_loss": val_after, "unigram_entropy": baseline,
         "val_tokens": int((val["labels"][:, 1:] != -100).sum()),
-        "data": describe_corpus(settings["dataset"], train_ds, settings["validation_fraction"]),
+        "data": describe_corpus(settings["dataset"], train_ds, settings["validation_fraction"], held_out),
         "tokenizer": {"vocab_size": len(tokenizer), "path": settings["tokenizer"] or "tokenizer/ (trained by this run)"},
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                      "transformers": __import__("transformers").__version__},
@@ -547,12 +583,14 @@ def train(argv: list[str] | None = None, return_model: bool = False):
 
 
 def rows_to_device(tokens: np.ndarray, starts: np.ndarray, device) -> dict[str, torch.Tensor]:
-    """`rows_to_batch` moved to `device`."""
-    return {k: v.to(device) for k, v in rows_to_batch(tokens, starts).items()}
+    """`rows_to_batch` moved to `device`, but for `position_ids`: the model builds its document tables from them on
+    the host, so they stay there (no device round trip in the step)."""
+    return {k: v if k == "position_ids" else v.to(device) for k, v in rows_to_batch(tokens, starts).items()}
 
 
 def save_final(accelerator: Accelerator, model, tokenizer, out: Path, summary: dict, generation_config) -> Path:
-    """Write `final/` (model, remote code, tokenizer, generation config, training_info.json) via a temp dir."""
+    """Write `final/` (model, remote code, tokenizer, generation config, training_info.json) via a temp dir; what
+    other tools added to an earlier `final/` (model card, `eval/`) moves into the new one."""
     state_dict = accelerator.get_state_dict(model)
     final, tmp = out / "final", out / ".tmp-final"
     if accelerator.is_main_process:
@@ -562,6 +600,12 @@ def save_final(accelerator: Accelerator, model, tokenizer, out: Path, summary: d
         generation_config.save_pretrained(tmp)
         with open(tmp / "training_info.json", "w") as f:
             json.dump(summary, f, indent=2, default=str)
+        kept = sorted(p.name for p in final.iterdir() if not (tmp / p.name).exists()) if final.is_dir() else []
+        for name in kept:
+            os.replace(final / name, tmp / name)
+        if kept:
+            print(f"kept {', '.join(kept)} in {final}: they describe the model before this resume, so rerun "
+                  f"kdamoe-eval / kdamoe-card")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
     accelerator.wait_for_everyone()
@@ -570,7 +614,7 @@ def save_final(accelerator: Accelerator, model, tokenizer, out: Path, summary: d
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `kdamoe-train` and `python -m kdamoe.train`."""
-    train(argv)
+    run_cli("kdamoe-train", train, argv)
 
 
 __all__ = ["learning_rate", "main", "param_groups", "parse_stages", "plan_stages", "resolve_settings", "train"]

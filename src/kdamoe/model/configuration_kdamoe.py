@@ -3,7 +3,8 @@
 from transformers import PretrainedConfig
 
 LAYER_TYPES = ("linear_attention", "full_attention")
-MLP_LAYER_TYPES = ("dense", "moe")
+MLP_LAYER_TYPES = ("dense", "sparse")  # transformers' vocabulary: "sparse" is an MoE layer
+LEGACY_MLP_LAYER_TYPES = {"moe": "sparse"}  # what configs saved before kdamoe used "sparse" call an MoE layer
 KDA_GATES = ("bounded", "softplus")
 EXPERT_ACTIVATIONS = ("situ_glu", "swiglu")
 ROUTER_BALANCING = ("quantile", "loss_free", "aux_loss", "none")
@@ -28,7 +29,9 @@ class KDAMoEConfig(PretrainedConfig):
         intermediate_size (`int`): width of the dense MLP layers.
         layer_types (`list[str]`): per layer `"linear_attention"` (KDA) or `"full_attention"`. Defaults to three
             KDA layers for every full-attention layer (the last of each group of four).
-        mlp_layer_types (`list[str]`): per layer `"dense"` or `"moe"`. Defaults to layer 0 dense, the rest MoE.
+        mlp_layer_types (`list[str]`): per layer `"dense"` or `"sparse"` (MoE; transformers' names, so that its
+            generic config code reads a kdamoe config). Defaults to layer 0 dense, the rest MoE. `"moe"`, the name
+            older kdamoe checkpoints saved, is read as `"sparse"`.
         kda_num_heads, kda_head_dim (`int`): KDA heads and their (key = value) dimension.
         kda_conv_size (`int`): kernel size of the causal depthwise short convolutions on q, k, v.
         kda_gate (`str`): `"bounded"` (`g = lower_bound * sigmoid(...)`) or `"softplus"` (unbounded, legacy).
@@ -39,10 +42,17 @@ class KDAMoEConfig(PretrainedConfig):
         expert_activation (`str`): `"situ_glu"` (bounded SwiGLU) or `"swiglu"`; used by experts and dense MLPs.
         router_balancing (`str`): `"quantile"`, `"loss_free"`, `"aux_loss"` or `"none"`.
         loss_free_update_rate (`float`): step of the sign update of `"loss_free"` balancing.
-        router_aux_loss_coef (`float`): coefficient of the switch-style auxiliary loss of `"aux_loss"` balancing.
+        router_aux_loss_coef (`float`): coefficient of the switch-style auxiliary loss of `"aux_loss"` balancing
+            (default 1e-2). Any other balancing has no auxiliary loss and the field is 0.0 whatever was passed, so
+            trainers that read transformers' MoE fields (TRL's `SFTTrainer`) add none.
+        output_router_logits (`bool`): return the router logits (off by default).
         quantile_num_bins (`int`): histogram bins per expert for the Quantile Balancing statistics.
         residual_mode (`str`): `"block_attnres"`, `"full_attnres"` or `"standard"`.
         attnres_block_layers (`int`): decoder layers per Block AttnRes block.
+        fuse_linear_cross_entropy (`bool`): in training with `labels`, compute the loss chunk by chunk from the hidden
+            states (`loss.linear_cross_entropy`) without materialising `[tokens, vocab]` logits; the output's
+            `logits` are then None. Off by default (trainers that read the logits, as TRL's `SFTTrainer` does for its
+            metrics, need them); `kdamoe-train` turns it on.
     """
 
     model_type = "kdamoe"
@@ -73,7 +83,7 @@ class KDAMoEConfig(PretrainedConfig):
         expert_activation: str = "situ_glu",
         router_balancing: str = "quantile",
         loss_free_update_rate: float = 1e-3,
-        router_aux_loss_coef: float = 1e-2,
+        router_aux_loss_coef: float | None = None,
         quantile_num_bins: int = 1000,
         output_router_logits: bool = False,
         residual_mode: str = "block_attnres",
@@ -82,6 +92,7 @@ class KDAMoEConfig(PretrainedConfig):
         rms_norm_eps: float = 1e-6,
         initializer_range: float = 0.02,
         use_cache: bool = True,
+        fuse_linear_cross_entropy: bool = False,
         tie_word_embeddings: bool = False,
         pad_token_id: int | None = None,
         bos_token_id: int | None = None,
@@ -97,7 +108,7 @@ class KDAMoEConfig(PretrainedConfig):
                 "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(num_hidden_layers)
             ]
         if mlp_layer_types is None:
-            mlp_layer_types = ["dense" if i == 0 else "moe" for i in range(num_hidden_layers)]
+            mlp_layer_types = ["dense" if i == 0 else "sparse" for i in range(num_hidden_layers)]
         self.layer_types = list(layer_types)
         self.kda_num_heads = kda_num_heads
         self.kda_head_dim = kda_head_dim
@@ -116,7 +127,9 @@ class KDAMoEConfig(PretrainedConfig):
         self.expert_activation = expert_activation
         self.router_balancing = router_balancing
         self.loss_free_update_rate = loss_free_update_rate
-        self.router_aux_loss_coef = router_aux_loss_coef
+        if router_balancing != "aux_loss":
+            router_aux_loss_coef = 0.0
+        self.router_aux_loss_coef = 1e-2 if router_aux_loss_coef is None else router_aux_loss_coef
         self.quantile_num_bins = quantile_num_bins
         self.output_router_logits = output_router_logits
         self.residual_mode = residual_mode
@@ -125,12 +138,10 @@ class KDAMoEConfig(PretrainedConfig):
         self.rms_norm_eps = rms_norm_eps
         self.initializer_range = initializer_range
         self.use_cache = use_cache
-        self.mlp_layer_types = list(mlp_layer_types)
+        self.fuse_linear_cross_entropy = fuse_linear_cross_entropy
+        self.mlp_layer_types = [LEGACY_MLP_LAYER_TYPES.get(t, t) for t in mlp_layer_types]
         self.pad_token_id = pad_token_id
         self._validate()  # before the base class, so that our errors (plain ValueErrors naming the field) come first
-        # transformers' own layer-type validator (run by the base __init__) only knows "sparse" MLP layers; kdamoe's
-        # are "dense" / "moe" (DESIGN §1), so the field is set back only once the base class is initialised.
-        mlp_layer_types = self.__dict__.pop("mlp_layer_types")
         # Every saved folder maps all three Auto classes to its own remote code (`save_pretrained` copies the files).
         kwargs.setdefault("auto_map", dict(AUTO_MAP))
         super().__init__(
@@ -140,13 +151,10 @@ class KDAMoEConfig(PretrainedConfig):
             tie_word_embeddings=tie_word_embeddings,
             **kwargs,
         )
-        self.mlp_layer_types = mlp_layer_types
 
     def validate(self) -> None:
-        """transformers' config validators (run again at save time), with kdamoe's own layer-type check."""
-        for validator in PretrainedConfig.__class_validators__:
-            if validator.__name__ != "validate_layer_type":
-                validator(self)
+        """transformers' config validators (run again at save time), then kdamoe's own checks."""
+        super().validate()
         self._validate()
 
     def _validate(self) -> None:

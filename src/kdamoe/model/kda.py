@@ -205,13 +205,13 @@ def _dispatch(kernel, torch_core, q, k, v, g, beta, scale, initial_state, output
     """The shared front of `chunk_kda` / `recurrent_kda`: validate, then run the Triton kernel (which fuses the
     gate and L2 norm itself) or apply them in torch and run the torch core."""
     gate, lower_bound = resolve_gate(gate, lower_bound)
-    _validate(q, k, v, g, beta, initial_state, cu_seqlens)
-    if _pick_backend(backend, q, kernel) == "triton":
+    if _pick_backend(backend, q, kernel) == "triton":  # it checks the inputs itself, without a host round trip
         return kernel(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
             cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
             use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, gate=gate,
         )
+    _validate(q, k, v, g, beta, initial_state, cu_seqlens)
     out_dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, use_qk_l2norm_in_kernel, gate,
                                 lower_bound)

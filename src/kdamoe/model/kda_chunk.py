@@ -10,7 +10,8 @@ import torch
 
 from .kda_chunk_bwd import chunk_bwd
 from .kda_chunk_fwd import GateArgs, chunk_fwd, kept_states
-from .kda_common import GATES, check_inputs, l2norm
+from .fused_norm import l2norm as fused_l2norm
+from .kda_common import GATES, L2NORM_EPS, check_inputs
 from .kda_launch import SLAB_MIN_TOKEN_HEADS, chunk_tables, slab_ranges
 
 MAX_HEAD_DIM = 256
@@ -80,8 +81,9 @@ def check_triton_inputs(q, k, v, g, beta, initial_state, cu_seqlens, gate):
 
 
 def qk_l2norm(q, k):
-    """q/k L2 norm over the head dim in fp32, back in the input dtype; autograd-differentiable."""
-    return l2norm(q).to(q.dtype), l2norm(k).to(k.dtype)
+    """q/k L2 norm over the head dim in fp32, back in the input dtype; autograd-differentiable (one fused kernel
+    each way per tensor on a GPU, ``fused_norm.l2norm``)."""
+    return fused_l2norm(q, L2NORM_EPS), fused_l2norm(k, L2NORM_EPS)
 
 
 def flatten_rows(q, k, v, g, beta):

@@ -54,10 +54,10 @@ def kda_gate(g_raw, A_log, dt_bias=None, gate="bounded", lower_bound=-5.0):
     return -a * F.softplus(x)
 
 
-def l2norm(x):
+def l2norm(x, eps=L2NORM_EPS):
     """``x / sqrt(Σ x² + eps)`` over the last dim, in the compute dtype (fp32, or fp64 for fp64 inputs)."""
     x = x.to(compute_dtype(x))
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + L2NORM_EPS)
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
 def resolve_gate(gate, lower_bound):

@@ -4,6 +4,7 @@ the GPU-only code paths, and the slabs that run a single long sequence's chunk l
 import contextlib
 import dataclasses
 import functools
+import weakref
 
 import torch
 import triton
@@ -56,20 +57,38 @@ class ChunkTables:
 
 
 def chunk_tables(B, T, cu_seqlens, device):
-    """The tables of B sequences of T tokens, or of the documents of ``cu_seqlens``. Fixed-length batches reuse
-    cached tables: a dozen small launches less per call."""
+    """The tables of B sequences of T tokens, or of the documents of ``cu_seqlens`` (checked to run non-decreasing
+    from 0 to T). Fixed-length batches reuse cached tables (a dozen small launches less per call); the tables of the
+    last ``cu_seqlens`` tensors are kept by tensor, so the layers of one forward read its boundaries from the device
+    once, not once per layer."""
     if cu_seqlens is None:
         return fixed_chunk_tables(B, T, device)
-    return _tables_from_cu(cu_seqlens.to(device=device, dtype=torch.int64), None)
+    key = (id(cu_seqlens), cu_seqlens._version, T, device)
+    hit = _VARLEN_TABLES.get(key)
+    if hit is not None and hit[0]() is cu_seqlens:
+        return hit[1]
+    cu = cu_seqlens.to(device="cpu", dtype=torch.int64)
+    if cu[0] != 0 or cu[-1] != T or bool((cu[1:] < cu[:-1]).any()):
+        raise ValueError(f"cu_seqlens must be non-decreasing from 0 to T={T}, got {cu.tolist()}")
+    tables = _tables_from_cu(cu, None, device)
+    if len(_VARLEN_TABLES) >= 8:
+        _VARLEN_TABLES.pop(next(iter(_VARLEN_TABLES)))
+    _VARLEN_TABLES[key] = (weakref.ref(cu_seqlens), tables)
+    return tables
+
+
+_VARLEN_TABLES = {}  # (id, version, T, device) of a cu_seqlens tensor -> (weak reference to it, its ChunkTables)
 
 
 @functools.lru_cache(maxsize=16)
 def fixed_chunk_tables(B, T, device):
-    return _tables_from_cu(torch.arange(0, B + 1, device=device, dtype=torch.int64) * T, B * triton.cdiv(T, CHUNK_SIZE))
+    return _tables_from_cu(torch.arange(0, B + 1, device=device, dtype=torch.int64) * T, B * triton.cdiv(T, CHUNK_SIZE),
+                           device)
 
 
-def _tables_from_cu(cu, num_chunks):
-    """The tables of int64 ``cu``; the number of chunks is read from the device if None."""
+def _tables_from_cu(cu, num_chunks, device):
+    """The tables of int64 ``cu`` (on the host, or on ``device`` with ``num_chunks`` given), built where ``cu`` is
+    and sent to ``device`` without waiting for the copy."""
     lens = cu[1:] - cu[:-1]
     nt = (lens + CHUNK_SIZE - 1) // CHUNK_SIZE
     coff = torch.cat([nt.new_zeros(1), nt.cumsum(0)])
@@ -78,8 +97,13 @@ def _tables_from_cu(cu, num_chunks):
     idx = torch.arange(NC, device=cu.device) - coff[seq]
     cstart = cu[seq] + idx * CHUNK_SIZE
     cend = torch.minimum(cstart + CHUNK_SIZE, cu[seq + 1])
-    i32 = torch.int32
-    return ChunkTables(cu.to(i32), coff.to(i32), cstart.to(i32), cend.to(i32), NC)
+    def put(x):
+        x = x.to(torch.int32)
+        if x.device != device and device.type == "cuda":  # a pinned copy: the host does not wait for it
+            x = x.pin_memory()
+        return x.to(device, non_blocking=True)
+
+    return ChunkTables(put(cu), put(coff), put(cstart), put(cend), NC)
 
 
 def _pow2(n):

@@ -12,7 +12,9 @@ document starts, and attention layers get a block-diagonal causal mask.
 import contextlib
 import dataclasses
 import math
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -23,12 +25,15 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, safe_open
 
 from .attnres import DepthAttention, ResidualState
 from .configuration_kdamoe import KDAMoEConfig
+from .fused_norm import gated_rms_norm, l2norm, rms_norm
 from .kda import chunk_kda, recurrent_kda
+from .loss import linear_cross_entropy
 from .moe import KDAMoEExperts, KDAMoEMLP, KDAMoERouter, KDAMoESparseMoeBlock
+from .short_conv import short_conv_silu, short_conv_state
 
 # transformers renamed the cache field of model outputs from `past_key_values` to `cache` (5.2x); support both.
 _CACHE_FIELD = (
@@ -42,7 +47,8 @@ _CACHE_FIELD = (
 
 
 class KDAMoERMSNorm(nn.Module):
-    """RMSNorm over the last dimension, computed in fp32. Also used head-wise (`[..., H, V]` with a `[V]` gain)."""
+    """RMSNorm over the last dimension, computed in fp32 (one fused kernel each way on a GPU). Also used head-wise
+    (`[..., H, V]` with a `[V]` gain)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -50,10 +56,49 @@ class KDAMoERMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * x).to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+class TokenIdCheck:
+    """Token ids outside `[0, vocab_size)` are a `ValueError`, without a host round trip on a CUDA device.
+
+    Ids elsewhere are checked at once. On a CUDA device the ids are clamped into range (no device fault) and their
+    min and max, copied to pinned host memory behind the forward, raise at the first later call that finds the copy
+    done: the forward that read a bad id is reported one call late, and no call waits for the device.
+    """
+
+    def __init__(self):
+        self._pending = None  # (copy-done event, pinned [min, max], vocab size) of the last CUDA call
+
+    def __call__(self, input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        self.raise_pending()
+        if input_ids.numel() == 0:
+            return input_ids
+        if not input_ids.is_cuda:
+            low, high = int(input_ids.min()), int(input_ids.max())
+            if low < 0 or high >= vocab_size:
+                raise _token_id_error(low, high, vocab_size)
+            return input_ids
+        stats = torch.empty(2, dtype=input_ids.dtype, pin_memory=True)
+        stats.copy_(torch.stack([input_ids.min(), input_ids.max()]), non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self._pending = (done, stats, vocab_size)
+        return input_ids.clamp(0, vocab_size - 1)
+
+    def raise_pending(self) -> None:
+        """Raise for an earlier call's bad ids once their min and max have reached the host."""
+        if self._pending is None or not self._pending[0].query():
+            return
+        _, stats, vocab_size = self._pending
+        self._pending = None
+        low, high = stats.tolist()
+        if low < 0 or high >= vocab_size:
+            raise _token_id_error(low, high, vocab_size)
+
+
+def _token_id_error(low: int, high: int, vocab_size: int) -> ValueError:
+    return ValueError(f"`input_ids` holds token ids outside [0, vocab_size={vocab_size}): min {low}, max {high}")
 
 
 class KDAMoECache(DynamicCache):
@@ -83,50 +128,37 @@ class KDAMoEModelOutputWithPast(MoeModelOutputWithPast):
 class PackedDocuments:
     """Document structure of a packed batch, derived from `position_ids` that restart at 0.
 
-    `doc_ids`: `[B, T]` global document index of each token; `cu_seqlens`: `[N + 1]` offsets of the N documents
-    in the flattened `[1, B*T]` sequence; `last_doc_of_row`: `[B]` the document each row ends in.
+    `doc_ids`: `[B, T]` global document index of each token; `cu_seqlens`: `[N + 1]` int32 offsets of the N
+    documents in the flattened `[1, B*T]` sequence, on the host (the KDA kernels build their chunk tables from it
+    without a device round trip) and in `cu_seqlens_device` on the inputs' device (the short convolution reads it
+    there); `last_doc_of_row`: `[B]` the document each row ends in.
     """
 
     doc_ids: torch.Tensor
     cu_seqlens: torch.Tensor
+    cu_seqlens_device: torch.Tensor
     last_doc_of_row: torch.Tensor
 
     @classmethod
-    def from_position_ids(cls, position_ids: torch.Tensor) -> "PackedDocuments | None":
-        """None when every row holds a single document (the fast, unpacked path)."""
-        starts = position_ids == 0
+    def from_position_ids(cls, position_ids: torch.Tensor, device: torch.device) -> "PackedDocuments | None":
+        """None when every row holds a single document (the fast, unpacked path). The tables are built on the host
+        and sent to `device`: `position_ids` on the host (as `kdamoe-train` passes them) cost no device round trip,
+        on the device one."""
+        starts = (position_ids == 0).cpu()
         starts[:, 0] = True
         if int(starts.sum()) == starts.shape[0]:
             return None
         flat = starts.flatten()
         doc_ids = (flat.cumsum(0) - 1).view_as(starts)
         cu_seqlens = F.pad(flat.nonzero().flatten(), (0, 1), value=flat.numel()).to(torch.int32)
-        return cls(doc_ids=doc_ids, cu_seqlens=cu_seqlens, last_doc_of_row=doc_ids[:, -1])
+        device = torch.device(device)
 
+        def put(x):  # a pinned copy: the host does not wait for it
+            return (x.pin_memory() if device.type == "cuda" else x).to(device, non_blocking=True)
 
-def short_conv(
-    x: torch.Tensor, weight: torch.Tensor, context: torch.Tensor | None, doc_ids: torch.Tensor | None
-) -> torch.Tensor:
-    """Causal depthwise convolution, `x: [B, T, C]`, `weight: [C, W]` -> `[B, T, C]`.
-
-    `context: [B, W-1, C]` holds the inputs before `x` (decoding; zeros otherwise). With `doc_ids: [B, T]`, taps
-    that would reach into an earlier document are dropped, so packed documents do not see each other.
-    """
-    batch, seq_len, channels = x.shape
-    width = weight.shape[1]
-    if context is None:
-        context = x.new_zeros(batch, width - 1, channels)
-    padded = torch.cat([context.to(x.dtype), x], dim=1)  # [B, T + W - 1, C]
-    out = padded[:, width - 1 :] * weight[:, width - 1]
-    for tap in range(width - 1):
-        shift = width - 1 - tap  # this tap reads the token `shift` steps back
-        term = padded[:, tap : tap + seq_len] * weight[:, tap]
-        if doc_ids is not None:
-            same_doc = torch.zeros_like(doc_ids, dtype=torch.bool)
-            same_doc[:, shift:] = doc_ids[:, shift:] == doc_ids[:, :-shift]
-            term = term * same_doc.unsqueeze(-1)
-        out = out + term
-    return out
+        doc_ids = put(doc_ids)
+        return cls(doc_ids=doc_ids, cu_seqlens=cu_seqlens, cu_seqlens_device=put(cu_seqlens),
+                   last_doc_of_row=doc_ids[:, -1])
 
 
 def build_attention_mask(
@@ -183,7 +215,7 @@ def eager_attention_forward(
 class KDAMoEKimiDeltaAttention(nn.Module):
     """Kimi Delta Attention with a bounded (or softplus) log-decay gate (docs/design.md §2).
 
-    x `[B, T, D]` → q, k, v (linear → causal depthwise conv → SiLU; q, k L2-normalised in the op), β = sigmoid
+    x `[B, T, D]` → q, k, v (linear → causal depthwise conv + SiLU; q, k L2-normalised), β = sigmoid
     (one per head and token), log-decay g from a low-rank projection → `chunk_kda` / `recurrent_kda` →
     head-wise RMSNorm × sigmoid(low-rank output gate) → `o_proj`.
     """
@@ -227,14 +259,15 @@ class KDAMoEKimiDeltaAttention(nn.Module):
 
         qkv = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], -1)
         context = layer_cache.conv_states[0][..., 1:].transpose(1, 2) if decoding else None
-        doc_ids = packed.doc_ids if packed is not None else None
-        mixed = F.silu(short_conv(qkv, self.conv_weight, context, doc_ids))
+        cu_seqlens = packed.cu_seqlens_device if packed is not None else None
+        mixed = short_conv_silu(qkv, self.conv_weight, cu_seqlens=cu_seqlens, context=context)
         q, key, v = (t.view(batch, seq_len, h, k) for t in mixed.split(h * k, dim=-1))
+        # q, k L2-normalised per head; v copied out, so that what the op keeps holds no view of the whole conv output
+        q, key, v = l2norm(q), l2norm(key), v.contiguous()
         beta = self.beta_proj(hidden_states).float().sigmoid()  # [B, T, H]
         g_raw = self.decay_up_proj(self.decay_down_proj(hidden_states)).view(batch, seq_len, h, k)
 
         kda_kwargs = dict(
-            use_qk_l2norm_in_kernel=True,
             use_gate_in_kernel=True,
             A_log=self.A_log,
             dt_bias=self.dt_bias,
@@ -254,16 +287,14 @@ class KDAMoEKimiDeltaAttention(nn.Module):
         else:
             o, state = chunk_kda(q, key, v, g_raw, beta, **kda_kwargs)
 
-        if cache is not None:
-            tail = qkv[:, -self.conv_size :]
-            if packed is not None and not decoding:  # the decode context must not reach into earlier documents
-                tail_docs = packed.doc_ids[:, -self.conv_size :]
-                tail = tail * (tail_docs == packed.last_doc_of_row[:, None]).unsqueeze(-1).to(tail.dtype)
-            cache.update_conv_state(tail.transpose(1, 2), self.layer_idx, conv_kernel_size=self.conv_size)
+        if cache is not None:  # the decode context never reaches into an earlier document
+            conv_state = short_conv_state(qkv, self.conv_size, state=layer_cache.conv_states[0] if decoding else None,
+                                          cu_seqlens=cu_seqlens)
+            cache.update_conv_state(conv_state, self.layer_idx, conv_kernel_size=self.conv_size)
             cache.update_recurrent_state(state.float(), self.layer_idx)
 
         out_gate = self.out_gate_up_proj(self.out_gate_down_proj(hidden_states)).view(batch, seq_len, h, k)
-        o = self.o_norm(o) * out_gate.sigmoid()
+        o = gated_rms_norm(o, self.o_norm.weight, out_gate, self.o_norm.eps)  # o_norm(o) * sigmoid(out_gate)
         return self.o_proj(o.reshape(batch, seq_len, h * k))
 
 
@@ -342,7 +373,7 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
         else:
             self.mixer = KDAMoEAttention(config, layer_idx)
         self.ffn_norm = KDAMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.is_moe = config.mlp_layer_types[layer_idx] == "moe"
+        self.is_moe = config.mlp_layer_types[layer_idx] == "sparse"
         self.ffn = KDAMoESparseMoeBlock(config) if self.is_moe else KDAMoEMLP(config, config.intermediate_size)
 
         mode = config.residual_mode
@@ -402,10 +433,21 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
     _keep_in_fp32_modules_strict = ["router"]  # routing scores and the selection bias are fp32 (docs/design.md §3)
 
     @classmethod
-    def from_pretrained(cls, *args, output_loading_info: bool = False, **kwargs):
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, output_loading_info: bool = False, **kwargs):
         """`PreTrainedModel.from_pretrained`, but an incomplete checkpoint is an error rather than a warning that
-        leaves randomly initialised weights behind (only a causal-LM head over a base-model checkpoint may be new)."""
-        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        leaves randomly initialised weights behind (only a causal-LM head over a base-model checkpoint may be new),
+        and a damaged weights file is named (safetensors' own message names none)."""
+        try:
+            model, info = super().from_pretrained(
+                pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs
+            )
+        except Exception as error:
+            if not _is_safetensors_error(error):
+                raise
+            raise OSError(
+                f"{_unreadable_weights(pretrained_model_name_or_path)} cannot be read (safetensors: {error}): "
+                "the file is truncated or overwritten"
+            ) from error
         missing = sorted(k for k in info.get("missing_keys", ()) if k != "lm_head.weight")
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
@@ -437,6 +479,28 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
             init.normal_(module.down_proj, mean=0.0, std=std)
 
 
+def _unreadable_weights(path) -> str:
+    """The `*.safetensors` files of a local folder that safetensors cannot open (else a description of them)."""
+    if not os.path.isdir(path):
+        return f"a weights file of the Hub repo {path} (in the Hugging Face cache)"
+    bad = []
+    for file in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except Exception as error:
+            if not _is_safetensors_error(error):
+                raise
+            bad.append(str(file))
+    return ", ".join(bad) or f"a weights file of {path}"
+
+
+def _is_safetensors_error(error: Exception) -> bool:
+    """safetensors' `SafetensorError`, named without importing safetensors (the folder imports only torch and
+    transformers)."""
+    return type(error).__name__ == "SafetensorError"
+
+
 class KDAMoEModel(KDAMoEPreTrainedModel):
     """The decoder stack: embeddings → layers → depth aggregation (AttnRes) → final RMSNorm."""
 
@@ -450,6 +514,7 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         self.final_attn_res = DepthAttention(config.hidden_size, config.rms_norm_eps) if attnres else None
         self.norm = KDAMoERMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.gradient_checkpointing = False
+        self.token_id_check = TokenIdCheck()
         self.post_init()
 
     def forward(
@@ -478,12 +543,7 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
         if input_ids is not None:
-            if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.vocab_size):
-                raise ValueError(
-                    f"`input_ids` holds token ids outside [0, vocab_size={self.vocab_size}): "
-                    f"min {int(input_ids.min())}, max {int(input_ids.max())}"
-                )
-            inputs_embeds = self.embed_tokens(input_ids)
+            inputs_embeds = self.embed_tokens(self.token_id_check(input_ids, self.embed_tokens.num_embeddings))
         if self.gradient_checkpointing and self.training:
             use_cache = False
         if use_cache and cache is None:
@@ -505,7 +565,7 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         token_mask = padding_mask[:, -seq_len:] if padding_mask is not None else None
         packed = None
         if position_ids is not None and past_len == 0:
-            packed = PackedDocuments.from_position_ids(position_ids.to(inputs_embeds.device))
+            packed = PackedDocuments.from_position_ids(position_ids, inputs_embeds.device)
         mask = build_attention_mask(padding_mask, packed, seq_len, past_len, inputs_embeds.device)
 
         start = ResidualState.start(inputs_embeds, self.config.residual_mode)
@@ -564,6 +624,20 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
             i: layer.ffn.apply_balancing() for i, layer in enumerate(self.model.layers) if layer.is_moe
         }
 
+    def _fused_loss(self, hidden_states, labels, shift_labels, num_items_in_batch):
+        """transformers' causal-LM loss (position t predicts label t+1, -100 ignored, a sum over `num_items_in_batch`
+        when given) from `hidden_states [B, T, D]` through `lm_head`, chunk by chunk, without `[B*T, V]` logits."""
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
+        loss = linear_cross_entropy(
+            hidden_states.reshape(-1, hidden_states.shape[-1]), self.lm_head.weight,
+            shift_labels.reshape(-1).to(hidden_states.device),
+            reduction="mean" if num_items_in_batch is None else "sum",
+        )
+        if num_items_in_batch is not None:
+            loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)
+        return loss
+
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -595,16 +669,18 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
             return_dict=True,
         )
         hidden_states = outputs.last_hidden_state
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, keep, :])
-
-        loss = None
-        if labels is not None:
-            if labels.shape != hidden_states.shape[:2]:
-                raise ValueError(f"`labels` has shape {tuple(labels.shape)}, expected {tuple(hidden_states.shape[:2])}")
-            loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
-            if outputs.aux_loss is not None:
-                loss = loss + outputs.aux_loss.to(loss.device)
+        if labels is not None and labels.shape != hidden_states.shape[:2]:
+            raise ValueError(f"`labels` has shape {tuple(labels.shape)}, expected {tuple(hidden_states.shape[:2])}")
+        loss = logits = None
+        if labels is not None and self.training and self.config.fuse_linear_cross_entropy:
+            loss = self._fused_loss(hidden_states, labels, kwargs.get("shift_labels"), kwargs.get("num_items_in_batch"))
+        else:
+            keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+            logits = self.lm_head(hidden_states[:, keep, :])
+            if labels is not None:
+                loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+        if loss is not None and outputs.aux_loss is not None:
+            loss = loss + outputs.aux_loss.to(loss.device)
 
         output = MoeCausalLMOutputWithPast(
             loss=loss,

@@ -121,7 +121,29 @@ class KDAMoEMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight]))  # [..., 2I]
-        return self.down_proj(_packed_activation(self.activation, gate_up))
+        return _ActivationDown.apply(self.activation, gate_up, self.down_proj.weight)
+
+
+class _ActivationDown(torch.autograd.Function):
+    """`act(gate_up) @ down.T` keeping only `gate_up` and the weight: the backward recomputes the activation rather
+    than keeping its `[..., I]` output for the down projection (a third of the MLP's saved activations)."""
+
+    @staticmethod
+    def forward(ctx, activation: str, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.activation = activation
+        ctx.save_for_backward(gate_up, weight)
+        return F.linear(_packed_activation(activation, gate_up), weight)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        gate_up, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            leaf = gate_up.detach().requires_grad_()
+            h = _packed_activation(ctx.activation, leaf)  # [..., I], in the dtype the forward's linear saw
+        grad_w = grad_out.reshape(-1, grad_out.shape[-1]).t().to(h.dtype) @ h.detach().reshape(-1, h.shape[-1])
+        grad_h = grad_out.to(h.dtype) @ weight.to(h.dtype)
+        (grad_gate_up,) = torch.autograd.grad(h, leaf, grad_h)
+        return None, grad_gate_up, grad_w.to(weight.dtype)
 
 
 def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,125 @@
+"""Chunked linear cross-entropy: the language-modelling loss without materialising fp32 `[N, V]` logits.
+
+`linear_cross_entropy(hidden, weight, labels)` equals `F.cross_entropy((hidden @ weight.T).float(), labels)` but
+walks the rows in chunks: each chunk's logits are computed in the weight's dtype (the autocast dtype under
+autocast), upcast to fp32 for the log-softmax, and turned at once into that chunk's share of the loss and of the
+gradients w.r.t. `hidden` and `weight`. The backward only scales the stored gradients by `grad_output`. Live
+memory beyond the inputs: one chunk of logits, `grad_hidden [N, D]`, `grad_weight [V, D]` (fp32 while it
+accumulates). Imports only torch and the standard library (it ships in the remote-code folder).
+
+Labels outside `[0, V)` (other than `ignore_index`) are a `ValueError` when they are checked. Checking needs
+their values on the host: free for CPU tensors, one host synchronisation for accelerator tensors. So
+`validate=None` (the default) checks CPU labels only; accelerator labels are instead detected on the device,
+without synchronising: an out-of-range label makes the loss and every gradient NaN (it never indexes out of
+bounds). `validate=True` always checks (and synchronises on an accelerator); `validate=False` never raises.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Rows per chunk when `chunk_size` is None: about this many logits a chunk (256 MiB in fp32).
+CHUNK_LOGITS = 1 << 26
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ignore_index, chunk_size, reduction, validate):
+        num_rows, vocab = hidden.shape[0], weight.shape[0]
+        counted = labels != ignore_index
+        in_range = (labels >= 0) & (labels < vocab)
+        bad = counted & ~in_range
+        if validate and bool(bad.any()):
+            found = labels[bad]
+            raise ValueError(
+                f"`labels` hold {found.numel()} ids outside [0, vocab_size={vocab}) that are not ignore_index "
+                f"({ignore_index}): min {int(found.min())}, max {int(found.max())}"
+            )
+        counted = counted & in_range
+        target = torch.where(counted, labels, 0)
+        # Gradient of the reduced loss w.r.t. one row's loss: 1/count for the mean (1 for the sum), 0 for rows that
+        # do not count; NaN everywhere when a label is out of range, so a bad batch can never pass silently.
+        if reduction == "mean":
+            scale = 1.0 / counted.sum().clamp(min=1).float()
+        else:
+            scale = torch.ones((), device=labels.device)
+        scale = scale + torch.where(bad.any(), float("nan"), 0.0)
+        row_scale = counted.float() * scale
+
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, num_rows, chunk_size):
+            rows = slice(start, min(start + chunk_size, num_rows))
+            h = hidden[rows].to(weight.dtype)
+            logits = (h @ weight.T).float()  # [C, V]
+            lse = torch.logsumexp(logits, dim=-1)
+            tgt = target[rows]
+            picked = logits.gather(1, tgt[:, None]).squeeze(1)
+            loss_sum += torch.where(counted[rows], lse - picked, 0.0).sum()
+            if not (need_hidden or need_weight):
+                continue
+            # d loss / d logits = (softmax - onehot(target)) * row_scale, built in place over the fp32 logits
+            probs = logits.sub_(lse[:, None]).exp_()
+            probs.scatter_add_(1, tgt[:, None], torch.full_like(lse[:, None], -1.0))
+            grad_logits = torch.empty(probs.shape, dtype=weight.dtype, device=probs.device)
+            torch.mul(probs, row_scale[rows, None], out=grad_logits)  # scaled and cast in one pass
+            if need_hidden:
+                grad_hidden[rows] = grad_logits @ weight
+            if need_weight:
+                grad_weight += grad_logits.T @ h
+        ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
+        return loss_sum * scale
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        # Always multiply: testing grad_output == 1 first would synchronise with the device.
+        return (
+            None if grad_hidden is None else grad_hidden * grad_output,
+            None if grad_weight is None else grad_weight * grad_output,
+            None, None, None, None, None,
+        )
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    reduction: str = "mean",
+    validate: bool | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of the logits `hidden @ weight.T` against `labels`, chunked over rows.
+
+    Args:
+        hidden: `[N, D]` final hidden states. weight: `[V, D]` output projection (may be the tied input
+            embedding: its gradient then adds to the embedding's). labels: `[N]` int64 target ids.
+        ignore_index: label of rows that do not count.
+        chunk_size: rows per chunk; None picks about `CHUNK_LOGITS` logits a chunk.
+        reduction: `"mean"` over the counted rows (0, with zero gradients, when none counts) or `"sum"`.
+        validate: check labels for ids outside `[0, V)`; None checks CPU labels only (see the module docstring).
+    Returns:
+        fp32 scalar loss.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"expected hidden [N, D] and weight [V, D], got {tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
+    if labels.shape != hidden.shape[:1]:
+        raise ValueError(f"`labels` has shape {tuple(labels.shape)}, expected ({hidden.shape[0]},)")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"`reduction` must be 'mean' or 'sum', got {reduction!r}")
+    if chunk_size is None:
+        chunk_size = max(1, CHUNK_LOGITS // weight.shape[0])
+    if chunk_size <= 0:
+        raise ValueError(f"`chunk_size` must be positive, got {chunk_size}")
+    if validate is None:
+        validate = labels.device.type == "cpu"
+    return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk_size, reduction, validate)
+
+
+__all__ = ["linear_cross_entropy"]

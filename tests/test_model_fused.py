@@ -1,0 +1,110 @@
+"""The model's fused paths against its plain ones: the chunked linear cross-entropy on the CPU; on a GPU the fused
+kernels (short convolution, norms, KDA) against the torch path, the token-id check and the host synchronisations
+of a training step."""
+
+import warnings
+
+import pytest
+import torch
+
+import kdamoe
+from conftest import tiny_config
+
+gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def make_model(**overrides):
+    torch.manual_seed(0)
+    return kdamoe.KDAMoEForCausalLM(tiny_config(router_balancing="none", **overrides))
+
+
+def loss_and_grads(model, ids, **kwargs):
+    model.zero_grad()
+    out = model(ids, labels=ids, use_cache=False, **kwargs)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_fused_linear_cross_entropy_equals_the_logits_loss(tied):
+    ids = torch.randint(3, 97, (2, 17))
+    plain = make_model(tie_word_embeddings=tied).train()
+    fused = make_model(tie_word_embeddings=tied, fuse_linear_cross_entropy=True).train()
+    fused.load_state_dict(plain.state_dict())
+    for kwargs in ({}, {"num_items_in_batch": torch.tensor(21)}):
+        ref, ref_grads = loss_and_grads(plain, ids, **kwargs)
+        out, grads = loss_and_grads(fused, ids, **kwargs)
+        assert out.logits is None and ref.logits is not None
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-6)
+        assert grads.keys() == ref_grads.keys()
+        for name in grads:
+            torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    fused.eval()  # evaluation keeps its logits
+    with torch.no_grad():
+        assert fused(ids, labels=ids).logits is not None
+
+
+def count_syncs(fn):
+    """Host synchronisations torch reports while ``fn`` runs (``set_sync_debug_mode("warn")``)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+@gpu_only
+@pytest.mark.parametrize("residual_mode", ["standard", "block_attnres"])
+def test_cuda_fused_path_equals_the_cpu_torch_path(residual_mode):
+    """The whole model on the GPU (Triton conv, norms, KDA; fp32, so tf32 dots) against the CPU's torch path:
+    logits and every gradient, plain and packed."""
+    cpu = make_model(residual_mode=residual_mode, mlp_layer_types=["dense"] * 4).train()
+    gpu = make_model(residual_mode=residual_mode, mlp_layer_types=["dense"] * 4).cuda().train()
+    gpu.load_state_dict(cpu.state_dict())
+    ids = torch.randint(3, 97, (2, 150))
+    positions = torch.cat([torch.arange(70), torch.arange(80)]).repeat(2, 1)
+    for kwargs in ({}, {"position_ids": positions}):
+        ref, ref_grads = loss_and_grads(cpu, ids, **kwargs)
+        out, grads = loss_and_grads(gpu, ids.cuda(), **{k: v.cuda() for k, v in kwargs.items()})
+        rel = (out.logits.cpu() - ref.logits).norm() / ref.logits.norm()
+        assert rel < 5e-3, rel
+        for name in ref_grads:
+            g, r = grads[name].cpu(), ref_grads[name]
+            assert (g - r).norm() <= 2e-2 * r.norm() + 1e-6, name
+
+
+@gpu_only
+def test_cuda_training_step_does_not_synchronise_and_bad_ids_raise_a_call_later():
+    model = make_model(mlp_layer_types=["dense"] * 4, fuse_linear_cross_entropy=True).cuda().train()
+    ids = torch.randint(3, 97, (2, 128), device="cuda")
+    loss_and_grads(model, ids)  # compile and cache first
+    assert count_syncs(lambda: loss_and_grads(model, ids)) == 0
+    bad = ids.clone()
+    bad[0, 5] = model.config.vocab_size + 3
+    with torch.no_grad():
+        model(bad, use_cache=False)  # no device fault: the ids are clamped
+        torch.cuda.synchronize()
+        with pytest.raises(ValueError, match="vocab_size"):
+            model(ids, use_cache=False)
+        model(ids, use_cache=False)  # reported once
+
+
+@pytest.mark.parametrize("activation", ["situ_glu", "swiglu"])
+def test_mlp_recomputing_its_activation_equals_plain_autograd(activation):
+    """`KDAMoEMLP` keeps only `gate_up` for its backward; its gradients equal the plain composition's (float64)."""
+    from kdamoe.model.moe import KDAMoEMLP, _packed_activation
+
+    mlp = KDAMoEMLP(tiny_config(expert_activation=activation), 24).double()
+    x = torch.randn(3, 5, 32, dtype=torch.float64, requires_grad=True)
+    out = mlp(x)
+    gate_up = torch.nn.functional.linear(x, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    ref = mlp.down_proj(_packed_activation(activation, gate_up))
+    torch.testing.assert_close(out, ref)
+    cot = torch.randn_like(out)
+    params = [x, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+    for a, b in zip(torch.autograd.grad(out, params, cot), torch.autograd.grad(ref, params, cot)):
+        torch.testing.assert_close(a, b)
