@@ -1,9 +1,38 @@
-"""Depth attention (`attnres.py`) against the stacked formula of docs/design.md §4, in float64."""
+"""Depth attention (`attnres.py`) against the stacked formula of docs/design.md §4, in float64; its Triton kernels
+(`attnres_triton.py`) against that formula and the torch path.
+
+Without a GPU the kernels run under ``TRITON_INTERPRET=1`` (set before triton is first imported; when another module
+imported triton earlier in this process, ``test_kernels_in_interpreter_subprocess`` reruns this file in a fresh
+process). The ``small_tiles`` fixture shrinks the tiles so that each shape spans several tiles and persistent
+programs with rows left over.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from kdamoe.model.attnres import DepthAttention
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # takes effect only before the first import of triton
+
+from kdamoe.model import attnres, attnres_triton  # noqa: E402
+from kdamoe.model.attnres import DepthAttention  # noqa: E402
+
+HAS_TRITON = attnres_triton.triton is not None
+if HAS_TRITON:
+    import triton.language as tl
+
+NEEDS_SUBPROCESS = HAS_TRITON and not ON_GPU and type(tl.cumsum).__name__ != "InterpretedFunction"
+kernel_test = pytest.mark.skipif(not HAS_TRITON or NEEDS_SUBPROCESS,
+                                 reason="needs triton, run in this process on a GPU or under the interpreter")
+# masked-off lanes must not compute inf or NaN either (numpy's RuntimeWarning under the interpreter)
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
+DEV = "cuda" if ON_GPU else "cpu"
 
 
 def naive_depth_attention(sources, query, gamma, eps):
@@ -53,9 +82,10 @@ def test_bf16_sources_match_the_fp64_formula_and_weights_are_convex():
     assert w.shape == (4, 2, 5) and torch.allclose(w.sum(0), torch.ones(2, 5)) and (w >= 0).all()
 
 
-def test_backward_keeps_the_sources_by_reference():
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=kernel_test)])
+def test_backward_keeps_the_sources_by_reference(backend):
     """What autograd keeps for the backward: the sources themselves (no stacked or fp32 copy) and [S, B, T] stats."""
-    module, sources = make(3, B=2, T=7, D=32, dtype=torch.float32)
+    module, sources = on_dev(*make(3, B=2, T=7, D=32, dtype=torch.float32))
     saved = []
 
     def pack(x):
@@ -63,9 +93,162 @@ def test_backward_keeps_the_sources_by_reference():
         return x
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        out = module(sources)
+        out = module(sources, backend=backend)
     big = [x for x in saved if x.numel() >= 2 * 7 * 32]
     assert len(big) == 3 and all(any(x.data_ptr() == s.data_ptr() for s in sources) for x in big)
     assert sum(x.numel() for x in saved if x.numel() < 2 * 7 * 32) <= 3 * 3 * 2 * 7 + 2 * 32
     out.sum().backward()
     assert all(s.grad is not None for s in sources)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not NEEDS_SUBPROCESS, reason="the kernels run in this process")
+def test_kernels_in_interpreter_subprocess():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and " passed" in res.stdout, res.stdout[-4000:] + res.stderr[-2000:]
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """2 rows of D <= 32 per tile, 1 of wider rows (the interpreter runs 3 persistent programs)."""
+    for cfg in attnres_triton.LAUNCH.values():
+        monkeypatch.setitem(cfg, "tile", 64)
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    assert torch.isfinite(a).all()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def on_dev(module, sources, dtype=torch.float32, requires_grad=True):
+    """The module and sources of ``make`` on DEV in ``dtype`` (the module's parameters in fp32)."""
+    mod = DepthAttention(module.query.numel(), eps=module.eps).to(DEV)
+    mod.load_state_dict(module.state_dict())
+    return mod, [s.detach().to(DEV, dtype).requires_grad_(requires_grad) for s in sources]
+
+
+# (S, B, T, D): D not a power of 2, rows (B·T) not a multiple of the tile, one program with several tiles
+KERNEL_CASES = [(1, 2, 5, 24), (2, 3, 7, 100), (7, 1, 9, 20), (4, 2, 3, 1), (3, 0, 4, 24)]
+
+
+@kernel_test
+@pytest.mark.parametrize("hold", [True, False])
+@pytest.mark.parametrize("S,B,T,D", KERNEL_CASES)
+def test_kernels_match_the_torch_path_and_float64(small_tiles, monkeypatch, hold, S, B, T, D):
+    if not hold:
+        monkeypatch.setattr(attnres_triton, "HOLD_REGISTERS", 0)
+    module, sources = make(S, B, T, D, seed=S)
+    mod, ours = on_dev(module, sources)
+    u = mod.query.detach() * mod.key_norm_weight.detach()
+    stats = attnres_triton.depth_attention_fwd([v.detach() for v in ours], u, mod.eps)
+    for got, want, name in zip(stats, attnres._forward_torch([v.detach() for v in ours], u, mod.eps),
+                               ("out", "logits", "rstd", "weights")):
+        assert got.shape == want.shape and rel(got, want) < 1e-6, name
+    out = mod(ours, backend="triton")
+    ref = naive_depth_attention(sources, module.query, module.key_norm_weight, module.eps)
+    assert out.dtype == torch.float32 and rel(out, ref) < 1e-6
+    cot = torch.randn(out.shape, dtype=torch.float64)
+    params = [*ours, mod.query, mod.key_norm_weight]
+    got = torch.autograd.grad(out, params, cot.to(DEV, torch.float32))
+    torch_path = torch.autograd.grad(mod(ours, backend="torch"), params, cot.to(DEV, torch.float32))
+    want = torch.autograd.grad(ref, [*sources, module.query, module.key_norm_weight], cot)
+    for name, g, t, w in zip([f"source{s}" for s in range(S)] + ["query", "key_norm_weight"], got, torch_path, want):
+        assert g.shape == w.shape and g.dtype == torch.float32, name
+        if w.norm() > 0:  # S = 1: no gradient reaches query and key_norm_weight
+            assert rel(g, w) < 1e-5 and rel(g, t) < 1e-5, name
+        else:
+            assert (g.abs() < 1e-6).all() and (t.abs() < 1e-6).all(), name
+
+
+@kernel_test
+def test_kernels_write_only_the_gradients_autograd_needs(small_tiles):
+    module, sources = make(5, 2, 3, 40)
+    mod, ours = on_dev(module, sources)
+    for s in (0, 3):
+        ours[s].requires_grad_(False)
+    out = mod(ours, backend="triton")
+    ref = naive_depth_attention(sources, module.query, module.key_norm_weight, module.eps)
+    cot = torch.randn(out.shape, dtype=torch.float64)
+    out.backward(cot.to(DEV, torch.float32))
+    ref.backward(cot)
+    assert ours[0].grad is None and ours[3].grad is None
+    for ours_s, ref_s in zip([*ours[1:3], ours[4], mod.query], [*sources[1:3], sources[4], module.query]):
+        assert rel(ours_s.grad, ref_s.grad) < 1e-5
+
+
+@kernel_test
+def test_kernels_with_bf16_sources_match_the_fp64_formula():
+    """bf16 sources (the model's under autocast), fp32 parameters: output and source gradients in bf16, within bf16
+    rounding of the float64 formula of the same bf16 values, and of the torch path."""
+    module, sources = make(6, 2, 7, 48)
+    mod, ours = on_dev(module, sources, torch.bfloat16)
+    out = mod(ours, backend="triton")
+    assert out.dtype == torch.bfloat16
+    low = [v.detach().double().cpu().requires_grad_() for v in ours]
+    ref = naive_depth_attention(low, module.query, module.key_norm_weight, module.eps)
+    cot = torch.randn(out.shape, dtype=torch.float64).to(torch.bfloat16).double()
+    params = [*ours, mod.query, mod.key_norm_weight]
+    got = torch.autograd.grad(out, params, cot.to(DEV, torch.bfloat16))
+    torch_path = torch.autograd.grad(mod(ours, backend="torch"), params, cot.to(DEV, torch.bfloat16))
+    want = torch.autograd.grad(ref, [*low, module.query, module.key_norm_weight], cot)
+    assert rel(out, ref) < 1e-2
+    for s, (g, t, w) in enumerate(zip(got, torch_path, want)):
+        assert g.dtype == (torch.bfloat16 if s < 6 else torch.float32)
+        assert rel(g, w) < 2e-2 and rel(g, t) < 2e-2, s
+
+
+@kernel_test
+def test_kernel_dispatch():
+    """Non-contiguous sources are copied; what the kernels cannot take falls back to torch, or raises when forced."""
+    module, sources = make(3, 2, 5, 24)
+    mod, ours = on_dev(module, sources)
+    strided = [v.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_() for v in ours]
+    assert not strided[0].is_contiguous()
+    torch.testing.assert_close(mod(strided, backend="triton"), mod(ours, backend="torch"), rtol=1e-5, atol=1e-6)
+    many = [ours[0]] * (attnres_triton.MAX_SOURCES + 1)
+    assert "MAX_SOURCES" in attnres_triton.unsupported(many)
+    with pytest.raises(ValueError, match="MAX_SOURCES"):
+        mod(many, backend="triton")
+    with pytest.raises(ValueError, match="dtypes"):
+        mod([ours[0], ours[1].double()], backend="triton")
+    with pytest.raises(ValueError, match="backend"):
+        mod(ours, backend="cuda")
+    assert attnres._use_kernels(None, ours) == ON_GPU  # CPU tensors: the torch path unless forced
+
+
+def test_module_imports_and_falls_back_without_triton(tmp_path):
+    """The model folder's files, as in a saved remote-code folder, on a machine without triton: attnres.py imports,
+    the torch path runs and ``backend="triton"`` raises a clear error."""
+    pkg = tmp_path / "remote"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    for path in Path(attnres.__file__).parent.glob("*.py"):
+        shutil.copy(path, pkg / path.name)
+    code = """
+import sys
+sys.modules["triton"] = None  # import triton raises ImportError
+import torch
+from remote.attnres import DepthAttention
+module = DepthAttention(8)
+torch.nn.init.normal_(module.query)
+torch.nn.init.ones_(module.key_norm_weight)
+sources = [torch.randn(2, 3, 8, requires_grad=True) for _ in range(3)]
+module(sources).sum().backward()
+assert all(s.grad is not None for s in sources)
+try:
+    module(sources, backend="triton")
+except RuntimeError as error:
+    assert "needs triton" in str(error)
+else:
+    raise AssertionError("backend='triton' without triton must raise")
+print("ok")
+"""
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]

@@ -253,3 +253,20 @@ def test_eager_attention_equals_sdpa(tmp_path):
     with torch.no_grad():
         for kwargs in ({}, dict(attention_mask=mask), dict(position_ids=position_ids)):
             torch.testing.assert_close(eager(ids, **kwargs).logits, sdpa(ids, **kwargs).logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_resize_token_embeddings_then_forward_and_generate(tied):
+    """A new special token (the step before SFT): the resized model takes its id at once, in the same process."""
+    model = make_model(tie_word_embeddings=tied).eval()
+    vocab = model.config.vocab_size
+    model.resize_token_embeddings(vocab + 5, mean_resizing=False)
+    assert model.model.vocab_size == model.vocab_size == model.config.vocab_size == vocab + 5
+    ids = torch.tensor([[3, vocab + 4, 5]])
+    with torch.no_grad():
+        out = model(ids, labels=ids)
+    assert out.logits.shape == (1, 3, vocab + 5) and torch.isfinite(out.loss)
+    generated = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert generated.shape == (1, 6) and int(generated.max()) < vocab + 5
+    with pytest.raises(ValueError, match="vocab_size"):
+        model(torch.tensor([[vocab + 5]]))

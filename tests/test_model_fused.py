@@ -54,7 +54,7 @@ def count_syncs(fn):
             fn()
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
 
 
 @gpu_only

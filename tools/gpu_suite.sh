@@ -6,6 +6,8 @@
 #   `KDA=1 REST=0 bash tools/gpu_suite.sh` (~3 min): the CUDA KDA kernel tests, then benchmarks/bench_kda.py in one
 #   run: ours (both gates), SDPA and — with .gpu/fla_autotune.tgz carried — fla-core at every size, plus the
 #   1M-token forwards;
+#   `MODEL=1 REST=0 bash tools/gpu_suite.sh` (~8 min): the CUDA tests of the model's fused path, then
+#   benchmarks/bench_model.py (ours against fla's model; MODEL_ROWS picks rows), fla's autotuning packed again;
 #   `PROFILE=1 REST=0 ...`: benchmarks/profile_ops.py (kernel tables, ours vs fla-core; autotunes fla again);
 #   `bash tools/gpu_suite.sh` (REST, ~5 min): CUDA-only MoE tests, benchmarks/bench_moe.py, a short `small`-preset
 #   training run for tokens/s and MFU, and a torch.profiler table of one `small` training step
@@ -32,6 +34,17 @@ if [ "${KDA:-0}" = 1 ]; then
   echo "== bench_kda ($impls)"
   python3 benchmarks/bench_kda.py --impls "$impls" --out "$OUT/bench_kda.json" 2>&1 \
     | tee "$OUT/bench_kda.log" | tail -20
+fi
+if [ "${MODEL:-0}" = 1 ]; then
+  [ -f .gpu/fla_autotune.tgz ] && mkdir -p ~/.triton/cache && tar xzf .gpu/fla_autotune.tgz -C ~/.triton/cache
+  echo "== CUDA tests of the model's fused path"
+  timeout "${MODEL_TEST_S:-150}" python3 -m pytest -q -x tests/test_model_fused.py tests/test_fused_ops.py \
+    tests/test_attnres.py tests/test_loss.py 2>&1 | tail -6
+  echo "== bench_model (ours against fla's KDAForCausalLM, one process)"
+  timeout "${MODEL_BENCH_S:-330}" python3 benchmarks/bench_model.py --rows "${MODEL_ROWS:-dense,attnres,packed,moe}" \
+    --steps 6 --warmup 2 --profile "${MODEL_PROFILE:-attnres}" --out "$OUT/model_h200.json" 2>&1 \
+    | grep -v -i warn | tee "$OUT/bench_model.log" | tail -25
+  (cd ~/.triton/cache && find . -name "*.autotune.json" | tar czf "$OUT/fla_autotune.tgz" -T -)
 fi
 if [ "${FLA:-0}" = 1 ]; then
   echo "== fla-core autotuning, packed to $OUT/fla_autotune.tgz"

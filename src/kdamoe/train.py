@@ -440,6 +440,7 @@ def train(argv: list[str] | None = None, return_model: bool = False):
     # model and optimizer
     fingerprint = _fingerprint(settings, config.to_dict(), world)
     model = KDAMoEForCausalLM(config)
+    model.config.fuse_linear_cross_entropy = True  # the loss without [tokens, vocab] logits; saved folders say False
     if settings["gradient_checkpointing"]:  # transformers >= 5.2x names it activation_checkpointing_enable
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     optimizer = torch.optim.AdamW(param_groups(model, settings["weight_decay"]), lr=settings["lr"],
@@ -595,7 +596,12 @@ def save_final(accelerator: Accelerator, model, tokenizer, out: Path, summary: d
     final, tmp = out / "final", out / ".tmp-final"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
-        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict)
+        config = accelerator.unwrap_model(model).config
+        fused, config.fuse_linear_cross_entropy = config.fuse_linear_cross_entropy, False  # logits for other trainers
+        try:
+            accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict)
+        finally:
+            config.fuse_linear_cross_entropy = fused
         tokenizer.save_pretrained(tmp)
         generation_config.save_pretrained(tmp)
         with open(tmp / "training_info.json", "w") as f:

@@ -12,6 +12,12 @@ covers the standard residual (`x + f(norm(x))`) so the decoder layer has one cod
 The sources are separate tensors, never stacked: `depth_attention` reads each once in the forward and keeps only
 references to them and three `[S, B, T]` fp32 statistics for the backward, so a sublayer's depth attention costs
 no copy of the sources (a stacked fp32 copy per sublayer would cost S times the residual stream's memory).
+
+Dispatch: the Triton kernels of `attnres_triton.py` (each pass reads every source once; the torch code here reads
+each about 5 times through fp32 temporaries) for CUDA sources when triton imports and the kernels take them (at most
+`MAX_SOURCES` sources of one shape and a 16/32-bit float dtype, rows of at most `MAX_D`), else the torch code, which
+is the reference and the CPU path. `backend="torch" | "triton"` forces one (the tests run the kernels on CPU tensors
+under `TRITON_INTERPRET=1`).
 """
 
 from collections.abc import Sequence
@@ -19,6 +25,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from .attnres_triton import depth_attention_bwd, depth_attention_fwd, unsupported
+from .fused_norm import use_triton
 
 
 def _wide(x):
@@ -33,41 +42,69 @@ def _source_logits(sources, u, eps):
     return dots * rstd, rstd
 
 
+def _use_kernels(backend, sources):
+    """True to run the Triton kernels (module docstring); ``backend="triton"`` with sources they cannot take raises."""
+    if not use_triton(backend, sources[0]):
+        return False
+    reason = unsupported(sources)
+    if reason is not None and backend == "triton":
+        raise ValueError(f"the depth attention kernels cannot take {reason}")
+    return reason is None
+
+
+def _forward_torch(sources, u, eps):
+    """``(out, logits, rstd, weights)`` of the torch path (the reference of the kernels)."""
+    logits, rstd = _source_logits(sources, u, eps)
+    weights = logits.softmax(0)  # [S, B, T]
+    out = weights[0, ..., None] * _wide(sources[0])
+    for s in range(1, len(sources)):
+        out.addcmul_(weights[s, ..., None], sources[s])
+    return out.to(sources[0].dtype), logits, rstd, weights
+
+
+def _backward_torch(dout, sources, u, logits, rstd, weights, needs_grad):
+    """``(du [D], [dv_s or None])`` of the torch path."""
+    D = u.shape[0]
+    dout = _wide(dout)
+    g = torch.stack([(dout * v).sum(-1) for v in sources])  # [S, B, T]: ∂L/∂weight_s
+    dlogit = weights * (g - (weights * g).sum(0, keepdim=True))  # through the softmax
+    # logit = r (V · u), r = rsqrt(mean(V²) + eps): ∂logit/∂V = r u − r² logit V / D
+    a, c = dlogit * rstd, dlogit * rstd * rstd * logits / D
+    du = sum((a[s].reshape(-1) @ _wide(v).reshape(-1, D)) for s, v in enumerate(sources))
+    dsources = []
+    for s, v in enumerate(sources):
+        if not needs_grad[s]:
+            dsources.append(None)
+            continue
+        dv = weights[s, ..., None] * dout + a[s, ..., None] * u - c[s, ..., None] * _wide(v)
+        dsources.append(dv.to(v.dtype))
+    return du, dsources
+
+
 class _DepthAttentionFunction(torch.autograd.Function):
     """``Σ_s softmax_s(logit_s) V_s`` with ``logit_s = RMSNorm_γ(V_s) · w``; saves the sources by reference."""
 
     @staticmethod
-    def forward(ctx, query, key_norm_weight, eps, *sources):
+    def forward(ctx, query, key_norm_weight, eps, backend, *sources):
         u = _wide(query) * _wide(key_norm_weight)  # [D]: w · (γ ⊙ x) = (w ⊙ γ) · x
-        logits, rstd = _source_logits(sources, u, eps)
-        weights = logits.softmax(0)  # [S, B, T]
-        out = weights[0, ..., None] * _wide(sources[0])
-        for s in range(1, len(sources)):
-            out.addcmul_(weights[s, ..., None], sources[s])
+        ctx.kernels = _use_kernels(backend, sources)
+        if ctx.kernels:
+            sources = tuple(v.contiguous() for v in sources)  # a copy only for a non-contiguous source
+            out, logits, rstd, weights = depth_attention_fwd(sources, u, eps)
+        else:
+            out, logits, rstd, weights = _forward_torch(sources, u, eps)
         ctx.save_for_backward(query, key_norm_weight, logits, rstd, weights, *sources)
-        return out.to(sources[0].dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         query, gamma, logits, rstd, weights, *sources = ctx.saved_tensors
-        D = query.shape[0]
         u = _wide(query) * _wide(gamma)
-        dout = _wide(dout)
-        g = torch.stack([(dout * v).sum(-1) for v in sources])  # [S, B, T]: ∂L/∂weight_s
-        dlogit = weights * (g - (weights * g).sum(0, keepdim=True))  # through the softmax
-        # logit = r (V · u), r = rsqrt(mean(V²) + eps): ∂logit/∂V = r u − r² logit V / D
-        a, c = dlogit * rstd, dlogit * rstd * rstd * logits / D
-        du = sum((a[s].reshape(-1) @ _wide(v).reshape(-1, D)) for s, v in enumerate(sources))
-        dsources = []
-        for s, v in enumerate(sources):
-            if not ctx.needs_input_grad[3 + s]:
-                dsources.append(None)
-                continue
-            dv = weights[s, ..., None] * dout + a[s, ..., None] * u - c[s, ..., None] * _wide(v)
-            dsources.append(dv.to(v.dtype))
+        backward = depth_attention_bwd if ctx.kernels else _backward_torch
+        du, dsources = backward(dout, sources, u, logits, rstd, weights, ctx.needs_input_grad[4:])
         dquery = (du * _wide(gamma)).to(query.dtype) if ctx.needs_input_grad[0] else None
         dgamma = (du * _wide(query)).to(gamma.dtype) if ctx.needs_input_grad[1] else None
-        return dquery, dgamma, None, *dsources
+        return dquery, dgamma, None, None, *dsources
 
 
 class DepthAttention(nn.Module):
@@ -85,8 +122,9 @@ class DepthAttention(nn.Module):
         u = _wide(self.query) * _wide(self.key_norm_weight)
         return _source_logits(tuple(sources), u, self.eps)[0].softmax(dim=0)
 
-    def forward(self, sources: Sequence[torch.Tensor]) -> torch.Tensor:
-        return _DepthAttentionFunction.apply(self.query, self.key_norm_weight, self.eps, *sources)
+    def forward(self, sources: Sequence[torch.Tensor], backend: str | None = None) -> torch.Tensor:
+        """``backend``: None (Triton kernels for CUDA sources they take), ``"torch"`` or ``"triton"``."""
+        return _DepthAttentionFunction.apply(self.query, self.key_norm_weight, self.eps, backend, *sources)
 
 
 @dataclass

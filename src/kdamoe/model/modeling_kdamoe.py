@@ -507,7 +507,6 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
     def __init__(self, config: KDAMoEConfig):
         super().__init__(config)
         self.padding_idx = config.pad_token_id
-        self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList(KDAMoEDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         attnres = config.residual_mode != "standard"
@@ -516,6 +515,11 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         self.gradient_checkpointing = False
         self.token_id_check = TokenIdCheck()
         self.post_init()
+
+    @property
+    def vocab_size(self) -> int:
+        """The embedding's rows (it follows `resize_token_embeddings`)."""
+        return self.embed_tokens.num_embeddings
 
     def forward(
         self,
@@ -543,7 +547,7 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
         if input_ids is not None:
-            inputs_embeds = self.embed_tokens(self.token_id_check(input_ids, self.embed_tokens.num_embeddings))
+            inputs_embeds = self.embed_tokens(self.token_id_check(input_ids, self.vocab_size))
         if self.gradient_checkpointing and self.training:
             use_cache = False
         if use_cache and cache is None:

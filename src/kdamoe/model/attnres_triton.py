@@ -1,0 +1,215 @@
+"""Triton kernels of the depth attention (``attnres.py``): forward and backward, each reading every source once.
+
+Both compute what ``_DepthAttentionFunction``'s torch code computes, per token row of D values, in fp32:
+
+- forward: ``rstd_s = rsqrt(mean(v_s²) + eps)``, ``logit_s = rstd_s (v_s · u)`` with ``u = query ⊙ γ``, ``out =
+  Σ_s softmax_s(logit) v_s`` in the sources' dtype, and the ``[S, rows]`` logits, rstd and weights the backward
+  uses. The mix is an online softmax (running max and sum; the accumulator is rescaled when the max grows), so no
+  source is needed again once its logit is known.
+- backward: ``g_s = dout · v_s``, ``dlogit = w ⊙ (g − Σ_s w g)``, ``a_s = dlogit_s rstd_s``, ``c_s = dlogit_s
+  rstd_s² logit_s / D``; ``dv_s = w_s dout + a_s u − c_s v_s`` for the sources that need it, and ``du = Σ_rows Σ_s
+  a_s v_s``, which each program of a persistent grid sums over its tiles in fp32 registers and stores as one row of
+  a ``[P, D]`` buffer, reduced in torch after (deterministic, no atomics).
+
+The sources are ``MAX_SOURCES`` separate pointer arguments (no stacked copy; the unused ones are the first source's
+pointer), S a constexpr: the loops over sources are unrolled (``tl.static_range``) and each S compiles its own
+kernel. A program tile is ``BLOCK_R`` whole rows of ``BLOCK_D`` (next power of 2 of D, up to ``MAX_D``), so each row
+reduction is one ``tl.sum``. With HOLD (a tile's sources fit in ``HOLD_REGISTERS`` per thread) a tile loads all its
+sources, and in the backward its dout and statistics, before the first reduction, so they are in flight together,
+and the backward's dv pass uses the held values; without it each source is loaded where it is used, and the
+backward's second pass reloads it (from L2, mostly: the tile was just read). Offsets are int64 (rows x D passes
+2^31 at 1M tokens x 4096 channels).
+
+Launches (``LAUNCH``, ``HOLD_REGISTERS``) are untimed first picks: 1024-value tiles at 4 values per thread (8 warps
+at D = 1024: one row per program, so the statistics are stored from one thread, without a shared-memory round
+trip); 12 backward programs per SM, so that a register-limited residency of 1, 2, 3, 4 or 6 programs per SM runs
+them in whole waves. Compiled for sm_90 (triton 3.6, bf16, no spills unless said), registers forward / backward:
+D = 1024: 32 / 48 at S = 2, 57 / 80 at S = 6, 73 / 127 at S = 9, 116 / 234 at S = 16; D = 2048, S = 6: 58 / 83;
+D = 4096, S = 6: 83 / 125; D = 8192, S = 6 or D >= 2048, S = 16: the 128 cap of 16 warps, with 48-984 bytes of
+spills.
+"""
+
+import torch
+
+from .fused_norm import persistent_programs, triton
+
+if triton is not None:
+    import triton.language as tl
+
+MAX_SOURCES = 16  # pointer arguments per kernel; more sources run the torch code
+MAX_D = 8192  # longest row a program holds in registers
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+LAUNCH = {
+    "fwd": dict(tile=1024, values_per_thread=4),
+    "bwd": dict(tile=1024, values_per_thread=4, programs_per_sm=12),
+}
+HOLD_REGISTERS = 64  # 32-bit registers per thread that may hold a tile's sources (see `_launch`)
+
+
+def unsupported(sources):
+    """Why the kernels cannot take these sources (a string), or None."""
+    s0 = sources[0]
+    if len(sources) > MAX_SOURCES:
+        return f"{len(sources)} sources, more than MAX_SOURCES = {MAX_SOURCES}"
+    if s0.dtype not in KERNEL_DTYPES:
+        return f"sources of dtype {s0.dtype}"
+    if not 1 <= s0.shape[-1] <= MAX_D:
+        return f"rows of {s0.shape[-1]} values (1 to MAX_D = {MAX_D})"
+    if any(v.shape != s0.shape or v.dtype != s0.dtype or v.device != s0.device for v in sources):
+        return "sources of different shapes, dtypes or devices"
+    return None
+
+
+def _launch(sources, cfg):
+    """``(BLOCK_R, BLOCK_D, num_warps, HOLD)``: rows of D values, ``cfg["tile"]`` values per program tile at
+    ``cfg["values_per_thread"]`` of them per thread (4 to 16 warps); HOLD when the tile's S sources take at most
+    ``HOLD_REGISTERS`` per thread."""
+    s0 = sources[0]
+    block_d = triton.next_power_of_2(s0.shape[-1])
+    block_r = max(1, cfg["tile"] // block_d)
+    num_warps = min(16, max(4, block_r * block_d // (32 * cfg["values_per_thread"])))
+    return block_r, block_d, num_warps, len(sources) * block_r * block_d // (32 * num_warps) <= HOLD_REGISTERS
+
+
+def _padded(tensors):
+    """The pointer arguments of the kernels: the tensors, then the first one up to ``MAX_SOURCES``."""
+    return (*tensors, *(tensors[0],) * (MAX_SOURCES - len(tensors)))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _load(V, s: tl.constexpr, held, offs, mask, HOLD: tl.constexpr):
+        """Source s of the tile in fp32: from the held tuple (HOLD) or loaded now."""
+        if HOLD:
+            v = held[s]
+        else:
+            v = tl.load(V[s] + offs, mask=mask, other=0.0)
+        return v.to(tl.float32)
+
+    @triton.jit
+    def _hold(V, offs, mask, S: tl.constexpr, HOLD: tl.constexpr):
+        """The tile's S sources in their dtype (HOLD: all loads issued before any reduction waits), else ()."""
+        held = ()
+        if HOLD:
+            for s in tl.static_range(S):
+                held = held + (tl.load(V[s] + offs, mask=mask, other=0.0),)
+        return held
+
+    @triton.jit
+    def _add2(a0, a1, b0, b1):
+        return a0 + b0, a1 + b1
+
+    @triton.jit
+    def _fwd_kernel(V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11, V12, V13, V14, V15,
+                    U, OUT, LOGITS, RSTD, WEIGHTS, R, D, eps,
+                    S: tl.constexpr, HOLD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        """One tile of rows: out, and the [S, R] logits, rstd and weights (source s at s·R + row)."""
+        V = (V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11, V12, V13, V14, V15)
+        rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+        cols = tl.arange(0, BLOCK_D)
+        m_r, m_d = rows < R, cols < D
+        mask = m_r[:, None] & m_d[None, :]
+        offs = rows[:, None] * D + cols[None, :]
+        held = _hold(V, offs, mask, S, HOLD)
+        u = tl.load(U + cols, mask=m_d, other=0.0)[None, :]
+        logits, rstds = (), ()
+        for s in tl.static_range(S):
+            v = _load(V, s, held, offs, mask, HOLD)
+            sumsq, dot = tl.reduce((v * v, v * u), 1, _add2)
+            rstd = tl.rsqrt(sumsq / D + eps)
+            logit = rstd * dot
+            logits, rstds = logits + (logit,), rstds + (rstd,)
+            if s == 0:
+                m, l, acc = logit, tl.full([BLOCK_R], 1.0, tl.float32), v
+            else:  # online softmax: rescale the sum and the accumulator to the new running max
+                m_new = tl.maximum(m, logit)
+                alpha, p = tl.exp(m - m_new), tl.exp(logit - m_new)
+                acc = acc * alpha[:, None] + p[:, None] * v
+                l = l * alpha + p
+                m = m_new
+        tl.store(OUT + offs, (acc / l[:, None]).to(OUT.dtype.element_ty), mask=mask)
+        stat = rows
+        for s in tl.static_range(S):
+            tl.store(LOGITS + stat, logits[s], mask=m_r)
+            tl.store(RSTD + stat, rstds[s], mask=m_r)
+            tl.store(WEIGHTS + stat, tl.exp(logits[s] - m) / l, mask=m_r)
+            stat += R
+
+    @triton.jit
+    def _bwd_kernel(V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11, V12, V13, V14, V15,
+                    DV0, DV1, DV2, DV3, DV4, DV5, DV6, DV7, DV8, DV9, DV10, DV11, DV12, DV13, DV14, DV15,
+                    U, DOUT, LOGITS, RSTD, WEIGHTS, DU, R, D, n_tiles,
+                    S: tl.constexpr, NEEDS: tl.constexpr, HOLD: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Persistent: tiles pid, pid + P, ...; dv_s for the sources whose bit is set in NEEDS; this program's
+        Σ_rows Σ_s a_s v_s goes to row pid of DU [P, D]."""
+        V = (V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11, V12, V13, V14, V15)
+        DV = (DV0, DV1, DV2, DV3, DV4, DV5, DV6, DV7, DV8, DV9, DV10, DV11, DV12, DV13, DV14, DV15)
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_D)
+        m_d = cols < D
+        u = tl.load(U + cols, mask=m_d, other=0.0)[None, :]
+        du = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        for tile in range(pid, n_tiles, tl.num_programs(0)):
+            rows = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+            m_r = rows < R
+            mask = m_r[:, None] & m_d[None, :]
+            offs = rows[:, None] * D + cols[None, :]
+            held = _hold(V, offs, mask, S, HOLD)
+            dout = tl.load(DOUT + offs, mask=mask, other=0.0).to(tl.float32)
+            stat, w, rstd, logit = rows, (), (), ()  # per source: [BLOCK_R] vectors, 0 on masked rows
+            for s in tl.static_range(S):  # all loaded before the first store (which might alias them)
+                w = w + (tl.load(WEIGHTS + stat, mask=m_r, other=0.0),)
+                rstd = rstd + (tl.load(RSTD + stat, mask=m_r, other=0.0),)
+                logit = logit + (tl.load(LOGITS + stat, mask=m_r, other=0.0),)
+                stat += R
+            wgs, wg = (), tl.zeros([BLOCK_R], tl.float32)
+            for s in tl.static_range(S):
+                wgs = wgs + (w[s] * tl.sum(dout * _load(V, s, held, offs, mask, HOLD), axis=1),)  # w_s g_s
+                wg += wgs[s]
+            for s in tl.static_range(S):
+                v = _load(V, s, held, offs, mask, HOLD)
+                dlogit = wgs[s] - w[s] * wg  # w_s (g_s − Σ w g)
+                a = (dlogit * rstd[s])[:, None]
+                du += a * v
+                if (NEEDS >> s) & 1:
+                    c = (dlogit * rstd[s] * rstd[s] * logit[s] / D)[:, None]
+                    dv = w[s][:, None] * dout + a * u - c * v
+                    tl.store(DV[s] + offs, dv.to(DV[s].dtype.element_ty), mask=mask)
+        tl.store(DU + pid * D + cols, tl.sum(du, axis=0), mask=m_d)
+
+
+def depth_attention_fwd(sources, u, eps):
+    """``(out [..., D], logits, rstd, weights [S, ...] fp32)`` of contiguous sources of one shape ``[..., D]``, dtype
+    and device (``unsupported`` is None), ``u = query ⊙ γ`` ``[D]``."""
+    s0, S = sources[0], len(sources)
+    R, D = s0.numel() // s0.shape[-1], s0.shape[-1]
+    out = torch.empty_like(s0)
+    logits, rstd, weights = (torch.empty(S, *s0.shape[:-1], dtype=torch.float32, device=s0.device)
+                             for _ in range(3))
+    block_r, block_d, num_warps, hold = _launch(sources, LAUNCH["fwd"])
+    if R:
+        _fwd_kernel[(triton.cdiv(R, block_r),)](
+            *_padded(sources), u.float().contiguous(), out, logits, rstd, weights, R, D, eps,
+            S=S, HOLD=hold, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
+    return out, logits, rstd, weights
+
+
+def depth_attention_bwd(dout, sources, u, logits, rstd, weights, needs_grad):
+    """``(du [D] fp32, [dv_s or None])`` from the sources and statistics of ``depth_attention_fwd``; ``dv_s`` (in the
+    sources' dtype) only where ``needs_grad[s]``."""
+    s0, S = sources[0], len(sources)
+    R, D = s0.numel() // s0.shape[-1], s0.shape[-1]
+    dsources = [torch.empty_like(v) if need else None for v, need in zip(sources, needs_grad)]
+    targets = [v if dv is None else dv for v, dv in zip(sources, dsources)]  # a clear NEEDS bit: never written
+    cfg = LAUNCH["bwd"]
+    block_r, block_d, num_warps, hold = _launch(sources, cfg)
+    n_tiles = triton.cdiv(R, block_r)
+    programs = persistent_programs(s0.device, n_tiles, per_sm=cfg["programs_per_sm"])
+    du = torch.empty(programs, D, dtype=torch.float32, device=s0.device)
+    _bwd_kernel[(programs,)](
+        *_padded(sources), *_padded(targets), u.float().contiguous(), dout.contiguous(), logits, rstd, weights, du,
+        R, D, n_tiles, S=S, NEEDS=sum(1 << s for s, need in enumerate(needs_grad) if need), HOLD=hold,
+        BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
+    return du.sum(0), dsources
