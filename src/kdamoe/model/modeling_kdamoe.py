@@ -12,9 +12,7 @@ document starts, and attention layers get a block-diagonal causal mask.
 import contextlib
 import dataclasses
 import math
-import os
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -25,13 +23,20 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel, safe_open
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
 from .attnres import DepthAttention, ResidualState
 from .configuration_kdamoe import KDAMoEConfig
 from .fused_norm import gated_rms_norm, l2norm, rms_norm
 from .kda import chunk_kda, recurrent_kda
 from .loss import linear_cross_entropy
+from .model_inputs import (
+    PackedDocuments,
+    TokenIdCheck,
+    build_attention_mask,
+    is_safetensors_error,
+    unreadable_weights,
+)
 from .moe import KDAMoEExperts, KDAMoEMLP, KDAMoERouter, KDAMoESparseMoeBlock
 from .short_conv import short_conv_silu, short_conv_state
 
@@ -59,48 +64,6 @@ class KDAMoERMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-class TokenIdCheck:
-    """Token ids outside `[0, vocab_size)` are a `ValueError`, without a host round trip on a CUDA device.
-
-    Ids elsewhere are checked at once. On a CUDA device the ids are clamped into range (no device fault) and their
-    min and max, copied to pinned host memory behind the forward, raise at the first later call that finds the copy
-    done: the forward that read a bad id is reported one call late, and no call waits for the device.
-    """
-
-    def __init__(self):
-        self._pending = None  # (copy-done event, pinned [min, max], vocab size) of the last CUDA call
-
-    def __call__(self, input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        self.raise_pending()
-        if input_ids.numel() == 0:
-            return input_ids
-        if not input_ids.is_cuda:
-            low, high = int(input_ids.min()), int(input_ids.max())
-            if low < 0 or high >= vocab_size:
-                raise _token_id_error(low, high, vocab_size)
-            return input_ids
-        stats = torch.empty(2, dtype=input_ids.dtype, pin_memory=True)
-        stats.copy_(torch.stack([input_ids.min(), input_ids.max()]), non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        self._pending = (done, stats, vocab_size)
-        return input_ids.clamp(0, vocab_size - 1)
-
-    def raise_pending(self) -> None:
-        """Raise for an earlier call's bad ids once their min and max have reached the host."""
-        if self._pending is None or not self._pending[0].query():
-            return
-        _, stats, vocab_size = self._pending
-        self._pending = None
-        low, high = stats.tolist()
-        if low < 0 or high >= vocab_size:
-            raise _token_id_error(low, high, vocab_size)
-
-
-def _token_id_error(low: int, high: int, vocab_size: int) -> ValueError:
-    return ValueError(f"`input_ids` holds token ids outside [0, vocab_size={vocab_size}): min {low}, max {high}")
-
-
 class KDAMoECache(DynamicCache):
     """The stock `DynamicCache` (conv + recurrent state for KDA layers, KV for attention layers) that also counts
     tokens itself, so that `generate` works for configs without any full-attention layer."""
@@ -122,65 +85,6 @@ class KDAMoEModelOutputWithPast(MoeModelOutputWithPast):
     """`MoeModelOutputWithPast` plus the summed auxiliary load-balancing loss of the MoE layers (or None)."""
 
     aux_loss: torch.FloatTensor | None = None
-
-
-@dataclasses.dataclass
-class PackedDocuments:
-    """Document structure of a packed batch, derived from `position_ids` that restart at 0.
-
-    `doc_ids`: `[B, T]` global document index of each token; `cu_seqlens`: `[N + 1]` int32 offsets of the N
-    documents in the flattened `[1, B*T]` sequence, on the host (the KDA kernels build their chunk tables from it
-    without a device round trip) and in `cu_seqlens_device` on the inputs' device (the short convolution reads it
-    there); `last_doc_of_row`: `[B]` the document each row ends in.
-    """
-
-    doc_ids: torch.Tensor
-    cu_seqlens: torch.Tensor
-    cu_seqlens_device: torch.Tensor
-    last_doc_of_row: torch.Tensor
-
-    @classmethod
-    def from_position_ids(cls, position_ids: torch.Tensor, device: torch.device) -> "PackedDocuments | None":
-        """None when every row holds a single document (the fast, unpacked path). The tables are built on the host
-        and sent to `device`: `position_ids` on the host (as `kdamoe-train` passes them) cost no device round trip,
-        on the device one."""
-        starts = (position_ids == 0).cpu()
-        starts[:, 0] = True
-        if int(starts.sum()) == starts.shape[0]:
-            return None
-        flat = starts.flatten()
-        doc_ids = (flat.cumsum(0) - 1).view_as(starts)
-        cu_seqlens = F.pad(flat.nonzero().flatten(), (0, 1), value=flat.numel()).to(torch.int32)
-        device = torch.device(device)
-
-        def put(x):  # a pinned copy: the host does not wait for it
-            return (x.pin_memory() if device.type == "cuda" else x).to(device, non_blocking=True)
-
-        doc_ids = put(doc_ids)
-        return cls(doc_ids=doc_ids, cu_seqlens=cu_seqlens, cu_seqlens_device=put(cu_seqlens),
-                   last_doc_of_row=doc_ids[:, -1])
-
-
-def build_attention_mask(
-    padding_mask: torch.Tensor | None, packed: PackedDocuments | None, seq_len: int, past_len: int, device
-) -> torch.Tensor | None:
-    """Boolean mask `[B, 1, T, Tk]` (True = attend) for the attention layers, or None for plain causal attention.
-
-    `padding_mask: [B, Tk]` is the 2-D attention mask (1 = real token) over past and new tokens. Each query may
-    always attend to itself, so fully padded rows never produce NaN.
-    """
-    if padding_mask is None and packed is None and (past_len == 0 or seq_len == 1):
-        return None
-    kv_len = past_len + seq_len
-    q_pos = torch.arange(past_len, kv_len, device=device)
-    k_pos = torch.arange(kv_len, device=device)
-    allowed = (k_pos[None, :] <= q_pos[:, None]).unsqueeze(0)  # [1, T, Tk]
-    if padding_mask is not None:
-        allowed = allowed & padding_mask[:, None, :].bool()
-    if packed is not None:  # only without a past: the documents of this forward
-        allowed = allowed & (packed.doc_ids[:, :, None] == packed.doc_ids[:, None, :])
-    allowed = allowed | (k_pos[None, :] == q_pos[:, None]).unsqueeze(0)
-    return allowed.unsqueeze(1)
 
 
 def eager_attention_forward(
@@ -442,10 +346,10 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
                 pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs
             )
         except Exception as error:
-            if not _is_safetensors_error(error):
+            if not is_safetensors_error(error):
                 raise
             raise OSError(
-                f"{_unreadable_weights(pretrained_model_name_or_path)} cannot be read (safetensors: {error}): "
+                f"{unreadable_weights(pretrained_model_name_or_path)} cannot be read (safetensors: {error}): "
                 "the file is truncated or overwritten"
             ) from error
         missing = sorted(k for k in info.get("missing_keys", ()) if k != "lm_head.weight")
@@ -477,28 +381,6 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
         elif isinstance(module, KDAMoEExperts):
             init.normal_(module.gate_up_proj, mean=0.0, std=std)
             init.normal_(module.down_proj, mean=0.0, std=std)
-
-
-def _unreadable_weights(path) -> str:
-    """The `*.safetensors` files of a local folder that safetensors cannot open (else a description of them)."""
-    if not os.path.isdir(path):
-        return f"a weights file of the Hub repo {path} (in the Hugging Face cache)"
-    bad = []
-    for file in sorted(Path(path).glob("*.safetensors")):
-        try:
-            with safe_open(str(file), framework="pt"):
-                pass
-        except Exception as error:
-            if not _is_safetensors_error(error):
-                raise
-            bad.append(str(file))
-    return ", ".join(bad) or f"a weights file of {path}"
-
-
-def _is_safetensors_error(error: Exception) -> bool:
-    """safetensors' `SafetensorError`, named without importing safetensors (the folder imports only torch and
-    transformers)."""
-    return type(error).__name__ == "SafetensorError"
 
 
 class KDAMoEModel(KDAMoEPreTrainedModel):
