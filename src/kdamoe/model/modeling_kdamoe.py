@@ -37,7 +37,7 @@ from .model_inputs import (
     is_safetensors_error,
     unreadable_weights,
 )
-from .moe import KDAMoEExperts, KDAMoEMLP, KDAMoERouter, KDAMoESparseMoeBlock
+from .moe import KDAMoEExperts, KDAMoEMLP, KDAMoERouter, KDAMoESparseMoeBlock, summary_to_host
 from .short_conv import short_conv_silu, short_conv_state
 
 # transformers renamed the cache field of model outputs from `past_key_values` to `cache` (5.2x); support both.
@@ -505,10 +505,11 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
     @torch.no_grad()
     def apply_load_balancing(self) -> dict[int, dict]:
         """Apply the pending router-bias update of every MoE layer (once per optimizer step) and return per-layer
-        statistics `{layer_index: {"loads", "max_vio", "dead_experts", "bias_norm"}}`."""
-        return {
-            i: layer.ffn.apply_balancing() for i, layer in enumerate(self.model.layers) if layer.is_moe
-        }
+        statistics `{layer_index: {"loads", "max_vio", "dead_experts", "bias_norm"}}`, read to the host in one copy."""
+        stats = {i: layer.ffn.apply_balancing_on_device() for i, layer in enumerate(self.model.layers) if layer.is_moe}
+        pending = [i for i, s in stats.items() if s]  # a layer without pending statistics reports {}
+        stats.update(zip(pending, summary_to_host([stats[i] for i in pending])))
+        return stats
 
     def _fused_loss(self, hidden_states, labels, shift_labels, num_items_in_batch):
         """transformers' causal-LM loss (position t predicts label t+1, -100 ignored, a sum over `num_items_in_batch`

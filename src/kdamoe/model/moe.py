@@ -532,6 +532,13 @@ class KDAMoESparseMoeBlock(nn.Module):
         """Apply the pending update (statistics all-reduced first when torch.distributed is initialised, so every
         rank sets the same bias), reset the statistics and return `{"loads": int64 [E], "max_vio": float,
         "dead_experts": int, "bias_norm": float}`. Without pending statistics: no change, returns `{}`."""
+        stats = self.apply_balancing_on_device()
+        return {} if not stats else summary_to_host([stats])[0]
+
+    @torch.no_grad()
+    def apply_balancing_on_device(self) -> dict:
+        """`apply_balancing` without a host round trip: `max_vio`, `dead_experts` and `bias_norm` as 0-d tensors on
+        the router's device (`summary_to_host` reads those of every layer in one copy)."""
         if self._loads is None:
             return {}
         loads, histogram = self._loads, self._histogram
@@ -543,17 +550,30 @@ class KDAMoESparseMoeBlock(nn.Module):
             if histogram is not None:
                 histogram.counts = state[self.num_experts:].view_as(histogram.counts)
         bias = self.router.bias
-        if histogram is not None and loads.sum() > 0:
-            bias.copy_(_centre(histogram.quantile(self.top_k / self.num_experts)))
-        elif self.balancing == "loss_free" and loads.sum() > 0:
-            bias.copy_(loss_free_balance(loads, bias.double(), self.loss_free_update_rate))
-        total = loads.sum().item()
+        counted = loads.sum() > 0  # a step whose tokens were all masked keeps the bias (decided on the device)
+        if histogram is not None:
+            bias.copy_(torch.where(counted, _centre(histogram.quantile(self.top_k / self.num_experts)), bias))
+        elif self.balancing == "loss_free":
+            bias.copy_(torch.where(counted, loss_free_balance(loads, bias.double(), self.loss_free_update_rate), bias))
+        mean = loads.double().mean()
         return {
             "loads": loads,
-            "max_vio": max_violation(loads) if total > 0 else 0.0,
-            "dead_experts": int((loads == 0).sum().item()),
-            "bias_norm": bias.double().norm().item(),
+            "max_vio": torch.where(counted, (loads.max() - mean) / mean.clamp_min(1e-30), 0.0),
+            "dead_experts": (loads == 0).sum(),
+            "bias_norm": bias.double().norm(),
         }
+
+
+def summary_to_host(stats: list[dict]) -> list[dict]:
+    """The device statistics of `apply_balancing_on_device` of several layers as Python numbers, in one copy."""
+    keys = ("max_vio", "dead_experts", "bias_norm")
+    values = torch.stack([s[k].double() for s in stats for k in keys]).tolist() if stats else []
+    out = []
+    for i, s in enumerate(stats):
+        row = dict(zip(keys, values[3 * i : 3 * i + 3]))
+        row["dead_experts"] = int(row["dead_experts"])
+        out.append({"loads": s["loads"], **row})
+    return out
 
 
 __all__ = [
