@@ -20,12 +20,12 @@ and the backward's dv pass uses the held values; without it each source is loade
 backward's second pass reloads it (from L2, mostly: the tile was just read). Offsets are int64 (rows x D passes
 2^31 at 1M tokens x 4096 channels).
 
-Launches (``LAUNCH``, ``HOLD_REGISTERS``) are untimed first picks: 1024-value tiles at 4 values per thread (8 warps
-at D = 1024: one row per program, so the statistics are stored from one thread, without a shared-memory round
-trip); 12 backward programs per SM, so that a register-limited residency of 1, 2, 3, 4 or 6 programs per SM runs
-them in whole waves. Compiled for sm_90 (triton 3.6, bf16, no spills unless said), registers forward / backward:
-D = 1024: 32 / 48 at S = 2, 57 / 80 at S = 6, 73 / 127 at S = 9, 116 / 234 at S = 16; D = 2048, S = 6: 58 / 83;
-D = 4096, S = 6: 83 / 125; D = 8192, S = 6 or D >= 2048, S = 16: the 128 cap of 16 warps, with 48-984 bytes of
+Launches (``LAUNCH``, ``HOLD_REGISTERS``) follow from register counts, not timings: 1024-value tiles at 4 values per
+thread (8 warps at D = 1024: one row per program, so the statistics are stored from one thread, without a shared-
+memory round trip); 12 backward programs per SM, so that a register-limited residency of 1, 2, 3, 4 or 6 programs
+per SM runs them in whole waves. Compiled for sm_90 (triton 3.6, bf16, no spills unless said), registers forward /
+backward: D = 1024: 32 / 48 at S = 2, 57 / 80 at S = 6, 73 / 127 at S = 9, 116 / 234 at S = 16; D = 2048, S = 6: 58
+/ 83; D = 4096, S = 6: 83 / 125; D = 8192, S = 6 or D >= 2048, S = 16: the 128 cap of 16 warps, with 48-984 bytes of
 spills.
 """
 

@@ -19,12 +19,12 @@ Launches: rows are ``[BLOCK_R, BLOCK_D]`` tiles, ``BLOCK_D`` the next power of 2
 so the reduction is one ``tl.sum``, up to ``MAX_BLOCK_D``) and ``BLOCK_R`` rows so a tile holds ``TILE_ELEMENTS``
 values (a 128-wide head norm then takes 32 rows per program instead of one). Row offsets are int64 (rows x D passes
 2^31 at 1M tokens x 4096 channels). The forwards run one program per tile; the RMSNorm backward runs a persistent
-grid of ``BWD_PROGRAMS_PER_SM`` programs per SM, each looping over tiles and keeping its weight-gradient partial sum in
-registers, stored as one row of a ``[P, D]`` fp32 buffer summed in torch after: deterministic, no atomics. The
+grid of ``BWD_PROGRAMS_PER_SM`` programs per SM, each looping over tiles and keeping its weight-gradient partial sum
+in registers, stored as one row of a ``[P, D]`` fp32 buffer summed in torch after: deterministic, no atomics. The
 forwards save rstd ``[R]`` fp32 so no backward recomputes the reduction. Tile and warp choices (``_row_tile``; the
-RMSNorm backward at twice the forward's warps, as it holds more tiles) are untimed first picks for these
-memory-bound kernels; compiled for sm_90 (triton 3.9, D = 128 / 1024 / 4096) they take 56-77 registers forward,
-76-99 backward, no spills.
+RMSNorm backward at twice the forward's warps, as it holds more tiles) follow from register counts, not timings, for
+these memory-bound kernels; compiled for sm_90 (triton 3.9, D = 128 / 1024 / 4096) they take 56-77 registers
+forward, 76-99 backward, no spills.
 """
 
 import functools
@@ -96,7 +96,8 @@ def persistent_programs(device, n_tiles, n_columns=1, per_sm=BWD_PROGRAMS_PER_SM
     on CUDA, ``INTERPRETER_PROGRAMS`` on the CPU; at least 1 (it stores the zero partial sums of an empty input), at
     most one per tile."""
     if device.type == "cuda":
-        target = per_sm * _sm_count(device.index if device.index is not None else torch.cuda.current_device()) // n_columns
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        target = per_sm * _sm_count(index) // n_columns
     else:
         target = INTERPRETER_PROGRAMS
     return max(1, min(n_tiles, target))
