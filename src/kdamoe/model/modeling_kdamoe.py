@@ -243,7 +243,7 @@ class KDAMoEAttention(nn.Module):
         if self.config._attn_implementation != "eager":
             attention = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
         # With a cache every decode step has a new key length; cuDNN's SDPA builds an execution plan per shape
-        # (~70 ms a step on an H200), the flash / memory-efficient kernels need none.
+        # (tens of milliseconds a step), the flash / memory-efficient kernels need none.
         backends = sdpa_kernel(_CACHED_SDPA_BACKENDS) if cache is not None and q.is_cuda else contextlib.nullcontext()
         with backends:
             out, _ = attention(

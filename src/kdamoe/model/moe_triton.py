@@ -3,8 +3,8 @@
 - SiTU-GLU forward and backward: `h = [4 tanh(g/4) sigmoid(g)] * [25 tanh(u/25)]`, computed in fp32 from 2-D
   row-strided views `[M, I]` (unit column stride), so the gate and up halves of a packed `[M, 2I]` projection are
   read in place and the backward writes both halves of one packed gradient.
-- Token permutation: `out[p] = src[index[p]]`, rows copied in tiles (0.198 ms on the H200 where torch's
-  `index_select` takes 0.262 ms, at [16384, 2048] -> [131072, 2048] bf16).
+- Token permutation: `out[p] = src[index[p]]`, rows copied in tiles (faster than torch's `index_select` for the
+  expert path's shapes).
 - Token combine: `out[n] = sum_j w[n, j] * y[inverse[n*k + j]]` (the weighted combine of the expert outputs, and
   with `w = 1` the backward of the token permutation) and its backward. One program per token: the k rows are
   summed in a fixed order in fp32 (no atomics), and every row of `dy` is written by exactly one program.
@@ -60,9 +60,8 @@ def _situ_glu_bwd_kernel(g_ptr, u_ptr, dh_ptr, dg_ptr, du_ptr, M, N, stride_g, s
     tl.store(du_ptr + rows * stride_du + cols, (dh * a * db).to(du_ptr.dtype.element_ty), mask=mask)
 
 
-# SiTU-GLU tiles: at most `block_n` columns, `elems` elements per program. H200, [131072, 768] bf16
-# (tools/tune_moe_kernels.py): forward 0.182 ms = 3.3 TB/s, backward 0.246 ms = 4.1 TB/s (1024-column tiles of
-# 4096 elements, 4 warps: 0.245 / 0.331 ms; a power-of-two tile over 768 columns leaves a quarter of it masked)
+# SiTU-GLU tiles: at most `block_n` columns, `elems` elements per program, chosen on an H200 at [131072, 768] bf16
+# by tools/tune_moe_kernels.py (narrow tiles: a power-of-two tile over 768 columns would leave a quarter masked)
 SITU_LAUNCH = dict(block_n=256, elems=2048, num_warps=8)
 
 
@@ -111,8 +110,8 @@ def _gather_rows_kernel(src_ptr, idx_ptr, out_ptr, M, D, stride_src, stride_out,
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :], x, mask=mask)
 
 
-# row-gather tiles: at most `block_d` columns, `elems` elements per program. H200, [16384, 2048] -> [131072, 2048]
-# bf16 (tools/tune_moe_kernels.py): 0.198 ms (index_select 0.262; 2048-column tiles 0.24)
+# row-gather tiles: at most `block_d` columns, `elems` elements per program, chosen on an H200 at [16384, 2048] ->
+# [131072, 2048] bf16 by tools/tune_moe_kernels.py
 GATHER_LAUNCH = dict(block_d=512, elems=4096, num_warps=8)
 
 
@@ -169,8 +168,8 @@ def _combine_bwd_kernel(dout_ptr, y_ptr, w_ptr, inv_ptr, dy_ptr, dw_ptr, D, stri
 
 
 def _combine_blocks(k: int, D: int) -> tuple[int, int]:
-    """`(BLOCK_K, BLOCK_D)`: tiles of ~8K elements for 4 warps (H200, k=8, D=2048: the gather-sum at 3.9 TB/s,
-    2.2x the 4K-element tiles; tools/tune_moe_kernels.py)."""
+    """`(BLOCK_K, BLOCK_D)`: tiles of ~8K elements for 4 warps (twice the 4K-element tiles' rate on an H200 at k=8,
+    D=2048; tools/tune_moe_kernels.py)."""
     block_k = triton.next_power_of_2(k)
     return block_k, min(triton.next_power_of_2(D), max(16, 8192 // block_k))
 
