@@ -7,7 +7,6 @@ process). The ``small_tiles`` fixture shrinks the tiles so that each shape spans
 programs with rows left over.
 """
 
-import os
 import shutil
 import subprocess
 import sys
@@ -16,23 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # takes effect only before the first import of triton
+from triton_interpreter import DEV, ON_GPU, kernel_test, rerun_in_interpreter, rerun_test
 
 from kdamoe.model import attnres, attnres_triton  # noqa: E402
 from kdamoe.model.attnres import DepthAttention  # noqa: E402
 
-HAS_TRITON = attnres_triton.triton is not None
-if HAS_TRITON:
-    import triton.language as tl
-
-NEEDS_SUBPROCESS = HAS_TRITON and not ON_GPU and type(tl.cumsum).__name__ != "InterpretedFunction"
-kernel_test = pytest.mark.skipif(not HAS_TRITON or NEEDS_SUBPROCESS,
-                                 reason="needs triton, run in this process on a GPU or under the interpreter")
 # masked-off lanes must not compute inf or NaN either (numpy's RuntimeWarning under the interpreter)
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
-DEV = "cuda" if ON_GPU else "cpu"
 
 
 def naive_depth_attention(sources, query, gamma, eps):
@@ -106,12 +95,9 @@ def test_backward_keeps_the_sources_by_reference(backend):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not NEEDS_SUBPROCESS, reason="the kernels run in this process")
+@rerun_test
 def test_kernels_in_interpreter_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and " passed" in res.stdout, res.stdout[-4000:] + res.stderr[-2000:]
+    rerun_in_interpreter(__file__, timeout=600)
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ flag must be set before triton is first imported; when another test module impor
 the launch tiles so that each shape spans several row / token tiles, channel blocks and persistent programs.
 """
 
-import os
 import shutil
 import subprocess
 import sys
@@ -17,34 +16,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # takes effect only before the first import of triton
+from triton_interpreter import DEV, kernel_test, rerun_in_interpreter, rerun_test
 
 from kdamoe.model import fused_norm, kda, modeling_kdamoe, short_conv  # noqa: E402
 
-HAS_TRITON = fused_norm.triton is not None
-if HAS_TRITON:
-    import triton.language as tl
-
-NEEDS_SUBPROCESS = HAS_TRITON and not ON_GPU and type(tl.cumsum).__name__ != "InterpretedFunction"
-kernel_test = pytest.mark.skipif(not HAS_TRITON or NEEDS_SUBPROCESS,
-                                 reason="needs triton, run in this process on a GPU or under the interpreter")
 # masked-off lanes must not compute inf or NaN either (numpy's RuntimeWarning under the interpreter)
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
-DEV = "cuda" if ON_GPU else "cpu"
 TOL = 1e-5  # fp32 kernels against float64 (no tensor-core products anywhere)
 EPS = 1e-6
 W_CONV = 4
 
 
-@pytest.mark.skipif(not NEEDS_SUBPROCESS, reason="the kernels run in this process")
+@rerun_test
 def test_kernels_in_interpreter_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                         env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and " passed" in res.stdout, res.stdout[-4000:] + res.stderr[-2000:]
+    rerun_in_interpreter(__file__, timeout=600)
 
 
 @pytest.fixture

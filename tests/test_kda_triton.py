@@ -6,37 +6,25 @@ this process, ``test_kernels_in_interpreter_subprocess`` reruns this file in a f
 On a GPU the same tests run on the device, plus the long-sequence sweeps marked ``gpu_only``.
 """
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU and "triton" not in sys.modules:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # takes effect only before the first import of triton
-pytest.importorskip("triton")
-import triton.language as tl  # noqa: E402
+from triton_interpreter import DEV, ON_GPU, gpu_only, kernel_test, rerun_in_interpreter, rerun_test
 
+pytest.importorskip("triton")
 from kdamoe.model import kda, kda_chunk_bwd, kda_chunk_fwd, kda_launch  # noqa: E402
 from kdamoe.model.kda_chunk import chunk_kda_triton  # noqa: E402
 from kdamoe.model.kda_fused_recurrent import recurrent_kda_triton  # noqa: E402
-
-NEEDS_SUBPROCESS = not ON_GPU and type(tl.cumsum).__name__ != "InterpretedFunction"
-kernel_test = pytest.mark.skipif(NEEDS_SUBPROCESS, reason="triton was imported without TRITON_INTERPRET: "
-                                 "these run in test_kernels_in_interpreter_subprocess")
 
 # Under the interpreter an overflow or invalid value in any lane (numpy's RuntimeWarning) fails the test: lanes that
 # are masked off must not compute inf or NaN either (a row block past the end of a part-filled chunk once did in
 # `_intra_kernel`, harmlessly, as nothing of it was stored)
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
-DEV = "cuda" if ON_GPU else "cpu"
 TOL = 5e-3 if ON_GPU else 1e-4  # tf32 matmuls on the GPU, exact fp32 in the interpreter
 GRAD_TOL = 1e-2 if ON_GPU else 1e-4
-gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 
 
 def assert_gradients_match(outs, ref_outs, leaves, ref_leaves, tol):
@@ -78,12 +66,9 @@ def test_chunk_tables_fixed_length_cached_and_equal_to_a_loop(B, T):
     assert kda_launch.chunk_tables(B, T, None, torch.device("cpu")).cstart is fixed.cstart
 
 
-@pytest.mark.skipif(not NEEDS_SUBPROCESS, reason="the kernels run in this process")
+@rerun_test
 def test_kernels_in_interpreter_subprocess():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                         env=env, capture_output=True, text=True, timeout=1200)
-    assert res.returncode == 0 and " passed" in res.stdout, res.stdout[-4000:] + res.stderr[-2000:]
+    rerun_in_interpreter(__file__, timeout=1200)
 
 
 def rel(a, b):
