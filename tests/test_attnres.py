@@ -108,7 +108,7 @@ def small_tiles(monkeypatch):
 
 
 def rel(a, b):
-    a, b = a.double(), b.double()
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
     assert torch.isfinite(a).all()
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
@@ -197,7 +197,7 @@ def test_kernel_dispatch():
     mod, ours = on_dev(module, sources)
     strided = [v.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_() for v in ours]
     assert not strided[0].is_contiguous()
-    torch.testing.assert_close(mod(strided, backend="triton"), mod(ours, backend="torch"), rtol=1e-5, atol=1e-6)
+    assert rel(mod(strided, backend="triton"), mod(ours, backend="torch")) < 1e-6
     many = [ours[0]] * (attnres_triton.MAX_SOURCES + 1)
     assert "MAX_SOURCES" in attnres_triton.unsupported(many)
     with pytest.raises(ValueError, match="MAX_SOURCES"):
