@@ -38,6 +38,29 @@ def test_apply_load_balancing_equals_exact_quantile_update():
         torch.testing.assert_close(stats[i]["loads"], torch.bincount(chosen.flatten(), minlength=8))
 
 
+def test_device_statistics_equal_the_host_ones_and_the_same_update():
+    """`apply_load_balancing(to_host=False)`: the same bias update, its statistics as 0-d tensors that
+    `summary_to_host` turns into the numbers `to_host=True` returns."""
+    torch.manual_seed(0)
+    models = [kdamoe.KDAMoEForCausalLM(tiny_config()).train() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    ids = torch.randint(3, 97, (4, 64))
+    stats = []
+    for model, to_host in zip(models, (True, False)):
+        model(ids, labels=ids).loss.backward()
+        stats.append(model.apply_load_balancing(to_host=to_host))
+    host, device = stats
+    assert sorted(host) == sorted(device) == moe_layers(models[0])
+    read = dict(zip(device, kdamoe.model.moe.summary_to_host(list(device.values()))))
+    for i in moe_layers(models[0]):
+        assert all(isinstance(device[i][k], torch.Tensor) and device[i][k].dim() == 0
+                   for k in ("max_vio", "dead_experts", "bias_norm"))
+        assert all(not isinstance(host[i][k], torch.Tensor) for k in ("max_vio", "dead_experts", "bias_norm"))
+        assert read[i]["max_vio"] == host[i]["max_vio"] and read[i]["dead_experts"] == host[i]["dead_experts"]
+        torch.testing.assert_close(models[1].model.layers[i].ffn.router.bias, models[0].model.layers[i].ffn.router.bias,
+                                   rtol=0, atol=0)
+
+
 def test_statistics_come_only_from_training_forwards():
     model = kdamoe.KDAMoEForCausalLM(tiny_config())
     ids = torch.randint(3, 97, (2, 32))

@@ -113,10 +113,12 @@ def test_mlp_recomputing_its_activation_equals_plain_autograd(activation):
 @gpu_only
 def test_cuda_moe_step_synchronises_once_for_the_balancing_statistics():
     """The hybrid MoE config: a forward and backward without host synchronisation; `apply_load_balancing` reads the
-    statistics of every layer in one copy."""
+    statistics of every layer in one copy, and with `to_host=False` not at all."""
     model = kdamoe.KDAMoEForCausalLM(tiny_config(fuse_linear_cross_entropy=True)).cuda().bfloat16().train()
     ids = torch.randint(3, 97, (2, 128), device="cuda")
     loss_and_grads(model, ids)
     model.apply_load_balancing()
     assert count_syncs(lambda: loss_and_grads(model, ids)) == 0
     assert count_syncs(model.apply_load_balancing) == 1
+    loss_and_grads(model, ids)
+    assert count_syncs(lambda: model.apply_load_balancing(to_host=False)) == 0  # the update alone: no round trip

@@ -503,12 +503,15 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
         return False
 
     @torch.no_grad()
-    def apply_load_balancing(self) -> dict[int, dict]:
+    def apply_load_balancing(self, to_host: bool = True) -> dict[int, dict]:
         """Apply the pending router-bias update of every MoE layer (once per optimizer step) and return per-layer
-        statistics `{layer_index: {"loads", "max_vio", "dead_experts", "bias_norm"}}`, read to the host in one copy."""
+        statistics `{layer_index: {"loads", "max_vio", "dead_experts", "bias_norm"}}`, read to the host in one copy;
+        `to_host=False` leaves them as 0-d tensors on the device (no host synchronisation: the update itself is
+        decided on the device; `moe.summary_to_host` reads them later)."""
         stats = {i: layer.ffn.apply_balancing_on_device() for i, layer in enumerate(self.model.layers) if layer.is_moe}
-        pending = [i for i, s in stats.items() if s]  # a layer without pending statistics reports {}
-        stats.update(zip(pending, summary_to_host([stats[i] for i in pending])))
+        if to_host:
+            pending = [i for i, s in stats.items() if s]  # a layer without pending statistics reports {}
+            stats.update(zip(pending, summary_to_host([stats[i] for i in pending])))
         return stats
 
     def _fused_loss(self, hidden_states, labels, shift_labels, num_items_in_batch):
