@@ -1,11 +1,16 @@
 """Chunked linear cross-entropy (`kdamoe.model.loss`) against `F.cross_entropy(hidden @ weight.T, labels)` in
-float64. Peak memory (the point of chunking) is not observable on the CPU and is not tested here."""
+float64, on the torch path and on the Triton kernel of `loss_triton.py` (under `TRITON_INTERPRET=1` without a GPU;
+`test_kernels_in_interpreter_subprocess` reruns this file in a fresh process when triton was imported earlier).
+Peak memory (the point of chunking) is not observable on the CPU and is not tested here."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kdamoe.model.loss import linear_cross_entropy
+from triton_interpreter import DEV, kernel_test, rerun_in_interpreter, rerun_test
+
+from kdamoe.model import loss_triton  # noqa: E402
+from kdamoe.model.loss import linear_cross_entropy  # noqa: E402
 
 N, D, V = 50, 24, 37
 
@@ -144,3 +149,54 @@ def test_argument_errors():
         linear_cross_entropy(hidden, weight, labels, reduction="none")
     with pytest.raises(ValueError, match="chunk_size"):
         linear_cross_entropy(hidden, weight, labels, chunk_size=0)
+
+
+@rerun_test
+def test_kernels_in_interpreter_subprocess():
+    rerun_in_interpreter(__file__, timeout=600)
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab,block_v,chunk_size", [(37, 4096, 7), (37, 16, None), (300, 64, 16)])
+def test_kernel_matches_the_torch_path_and_float64(monkeypatch, dtype, vocab, block_v, chunk_size):
+    """Rows of one tile and of several tiles with a masked tail; the loss and both gradients against float64 (on the
+    same rounded inputs) and against the torch path."""
+    monkeypatch.setattr(loss_triton, "BLOCK_V", block_v)
+    g = torch.Generator().manual_seed(vocab)
+    hidden = torch.randn(N, D, generator=g).to(dtype)
+    weight = (torch.randn(vocab, D, generator=g) * 0.5).to(dtype)
+    labels = torch.randint(0, vocab, (N,), generator=g)
+    labels[[3, 4, 17, 49]] = -100
+    ref_loss, ref_h, ref_w = reference(hidden, weight, labels)
+    dev = [t.to(DEV) for t in (hidden, weight, labels)]
+    loss, gh, gw = ours(*dev, chunk_size=chunk_size, backend="triton")
+    t_loss, t_gh, t_gw = ours(*dev, chunk_size=chunk_size, backend="torch")
+    assert gh.dtype == dtype and gw.dtype == dtype and not gh[[3, 4, 17, 49]].any()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert abs(float(loss) - float(ref_loss)) < tol * max(1.0, abs(float(ref_loss)))
+    assert rel(gh.cpu(), ref_h) < tol and rel(gw.cpu(), ref_w) < tol
+    # the same roundings as the torch path: equal but for the fp32 sums' order
+    assert abs(float(loss) - float(t_loss)) < 1e-6 * abs(float(t_loss))
+    same = 1e-6 if dtype == torch.float32 else 1e-2
+    assert rel(gh.cpu(), t_gh.cpu().double()) < same and rel(gw.cpu(), t_gw.cpu().double()) < same
+
+
+@kernel_test
+def test_kernel_sum_reduction_ignored_rows_and_bad_labels():
+    hidden, weight, labels = (t.to(DEV) for t in make_inputs(torch.float32))
+    for reduction in ("mean", "sum"):
+        got = ours(hidden, weight, labels, reduction=reduction, chunk_size=16, backend="triton")
+        want = ours(hidden, weight, labels, reduction=reduction, chunk_size=16, backend="torch")
+        for a, b in zip(got, want):
+            assert rel(a.cpu(), b.cpu().double()) < 1e-6
+    none = torch.full_like(labels, -100)
+    loss, gh, gw = ours(hidden, weight, none, backend="triton")
+    assert float(loss) == 0 and not gh.any() and not gw.any()
+    bad = labels.clone()
+    bad[5] = V
+    loss, gh, gw = ours(hidden, weight, bad, validate=False, chunk_size=8, backend="triton")
+    assert loss.isnan() and gh.isnan().all() and gw.isnan().all()
+    want = reference(hidden.cpu(), weight.cpu(), labels.cpu())[0]
+    with torch.no_grad():  # no gradient wanted: the loss alone
+        assert rel(linear_cross_entropy(hidden, weight, labels, backend="triton").cpu(), want) < 1e-6

@@ -5,18 +5,30 @@ walks the rows in chunks: each chunk's logits are computed in the weight's dtype
 autocast), upcast to fp32 for the log-softmax, and turned at once into that chunk's share of the loss and of the
 gradients w.r.t. `hidden` and `weight`. The backward only scales the stored gradients by `grad_output`. Live
 memory beyond the inputs: one chunk of logits, `grad_hidden [N, D]`, `grad_weight [V, D]` (fp32 while it
-accumulates). Imports only torch and the standard library (it ships in the remote-code folder).
+accumulates).
 
 Labels outside `[0, V)` (other than `ignore_index`) are a `ValueError` when they are checked. Checking needs
 their values on the host: free for CPU tensors, one host synchronisation for accelerator tensors. So
 `validate=None` (the default) checks CPU labels only; accelerator labels are instead detected on the device,
 without synchronising: an out-of-range label makes the loss and every gradient NaN (it never indexes out of
 bounds). `validate=True` always checks (and synchronises on an accelerator); `validate=False` never raises.
+
+On CUDA (triton installed) each chunk's logits stay in the GEMM's dtype and one Triton kernel (`loss_triton.py`)
+computes the rows' losses and overwrites the logits with their gradient; elsewhere the torch code below, the
+reference, upcasts the chunk to fp32. The logits are rounded to the same dtype either way, and the GEMMs that
+consume their gradient take it in the same 16-bit dtype under autocast or with 16-bit weights.
+
+Sizes: every index is torch's (64-bit); a chunk holds about `CHUNK_LOGITS` logits (2^26), so its temporaries stay
+far below 2^31 elements at any vocab, and only `hidden`, `grad_hidden` and `grad_weight` pass 2^31 elements (1M rows
+x 4096, or a 256K x 8192 vocab projection).
 """
 
 from __future__ import annotations
 
 import torch
+
+from .fused_norm import use_triton
+from .loss_triton import KERNEL_DTYPES, cross_entropy_rows
 
 # Rows per chunk when `chunk_size` is None: about this many logits a chunk (256 MiB in fp32).
 CHUNK_LOGITS = 1 << 26
@@ -24,7 +36,7 @@ CHUNK_LOGITS = 1 << 26
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index, chunk_size, reduction, validate):
+    def forward(ctx, hidden, weight, labels, ignore_index, chunk_size, reduction, validate, backend):
         num_rows, vocab = hidden.shape[0], weight.shape[0]
         counted = labels != ignore_index
         in_range = (labels >= 0) & (labels < vocab)
@@ -50,21 +62,30 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        kernel = use_triton(backend, hidden)
         for start in range(0, num_rows, chunk_size):
             rows = slice(start, min(start + chunk_size, num_rows))
             h = hidden[rows].to(weight.dtype)
-            logits = (h @ weight.T).float()  # [C, V]
-            lse = torch.logsumexp(logits, dim=-1)
-            tgt = target[rows]
-            picked = logits.gather(1, tgt[:, None]).squeeze(1)
-            loss_sum += torch.where(counted[rows], lse - picked, 0.0).sum()
-            if not (need_hidden or need_weight):
+            grad = need_hidden or need_weight
+            if kernel:  # one pass for the loss and, in place, d loss / d logits (loss_triton.py)
+                logits = h @ weight.T  # [C, V] in the GEMM's dtype
+                row_loss = cross_entropy_rows(logits, target[rows], row_scale[rows] if grad else None)
+                loss_sum += torch.where(counted[rows], row_loss, 0.0).sum()
+                grad_logits = logits
+            else:
+                logits = (h @ weight.T).float()  # [C, V]
+                lse = torch.logsumexp(logits, dim=-1)
+                tgt = target[rows]
+                picked = logits.gather(1, tgt[:, None]).squeeze(1)
+                loss_sum += torch.where(counted[rows], lse - picked, 0.0).sum()
+                if grad:
+                    # d loss / d logits = (softmax - onehot(target)) * row_scale, in place over the fp32 logits
+                    probs = logits.sub_(lse[:, None]).exp_()
+                    probs.scatter_add_(1, tgt[:, None], torch.full_like(lse[:, None], -1.0))
+                    grad_logits = torch.empty(probs.shape, dtype=weight.dtype, device=probs.device)
+                    torch.mul(probs, row_scale[rows, None], out=grad_logits)  # scaled and cast in one pass
+            if not grad:
                 continue
-            # d loss / d logits = (softmax - onehot(target)) * row_scale, built in place over the fp32 logits
-            probs = logits.sub_(lse[:, None]).exp_()
-            probs.scatter_add_(1, tgt[:, None], torch.full_like(lse[:, None], -1.0))
-            grad_logits = torch.empty(probs.shape, dtype=weight.dtype, device=probs.device)
-            torch.mul(probs, row_scale[rows, None], out=grad_logits)  # scaled and cast in one pass
             if need_hidden:
                 grad_hidden[rows] = grad_logits @ weight
             if need_weight:
@@ -80,7 +101,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return (
             None if grad_hidden is None else grad_hidden * grad_output,
             None if grad_weight is None else grad_weight * grad_output,
-            None, None, None, None, None,
+            None, None, None, None, None, None,
         )
 
 
@@ -92,6 +113,7 @@ def linear_cross_entropy(
     chunk_size: int | None = None,
     reduction: str = "mean",
     validate: bool | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of the logits `hidden @ weight.T` against `labels`, chunked over rows.
 
@@ -102,6 +124,8 @@ def linear_cross_entropy(
         chunk_size: rows per chunk; None picks about `CHUNK_LOGITS` logits a chunk.
         reduction: `"mean"` over the counted rows (0, with zero gradients, when none counts) or `"sum"`.
         validate: check labels for ids outside `[0, V)`; None checks CPU labels only (see the module docstring).
+        backend: None (the Triton kernel of `loss_triton.py` for CUDA tensors when triton imports), `"torch"` or
+            `"triton"` (the tests run the kernel on CPU tensors under `TRITON_INTERPRET=1`).
     Returns:
         fp32 scalar loss.
     """
@@ -119,7 +143,11 @@ def linear_cross_entropy(
         raise ValueError(f"`chunk_size` must be positive, got {chunk_size}")
     if validate is None:
         validate = labels.device.type == "cpu"
-    return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk_size, reduction, validate)
+    if weight.dtype not in KERNEL_DTYPES:  # fp64: the torch code
+        if backend == "triton":
+            raise ValueError(f"the cross-entropy kernel takes {KERNEL_DTYPES} weights, got {weight.dtype}")
+        backend = "torch"
+    return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk_size, reduction, validate, backend)
 
 
 __all__ = ["linear_cross_entropy"]
