@@ -1,11 +1,12 @@
 """Benchmark the Triton KDA kernels against flash-linear-attention's ``chunk_kda`` and SDPA, in one run.
 
 bf16, H=16 heads, head dim 128. For (B, T) in (4, 8K), (1, 32K), (1, 128K): forward and forward+backward
-of ours (bounded gate, softplus gate), fla 0.6 (``use_gate_in_kernel=True, safe_gate=True, lower_bound=-5``,
-and its softplus gate) and SDPA causal (flash); then a 1M-token forward with peak memory. Every variant is
-first checked against a float64 reference on a slice (relative error of the output and the gradients).
-Times are ``triton.testing.do_bench`` medians. Prints a table; writes JSON to ``$OUT/bench_kda.json``
-(or ``--out``).
+as the model calls the op (raw q/k, their L2 norm and the gate in the op: ``use_qk_l2norm_in_kernel=True``,
+``use_gate_in_kernel=True``; ``--qk normalised`` times it on pre-normalised q/k instead) of ours (bounded
+gate, softplus gate), fla 0.6 (``safe_gate=True, lower_bound=-5``, and its softplus gate) and SDPA causal
+(flash); then a 1M-token forward with peak memory. Every variant is first checked against a float64 reference on a
+slice (relative error of the output and the gradients). Times are ``triton.testing.do_bench`` medians. Prints a
+table; writes JSON to ``$OUT/bench_kda.json`` (or ``--out``).
 
     PYTHONPATH=src python benchmarks/bench_kda.py [--quick]
 """
@@ -37,13 +38,16 @@ except ImportError:  # the peer is optional
 H, D = 16, 128
 LB = -5.0
 LEAVES = ("q", "k", "v", "g", "beta")  # the inputs that get gradients
+QK_NORM = True  # the L2 norm of q and k inside the op (the model's call); False with --qk normalised
 
 
 def make(B, T, seed=0, device="cuda"):
     gen = torch.Generator(device=device).manual_seed(seed)
     r = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
-    q = F.normalize(r(B, T, H, D), dim=-1).bfloat16()
-    k = F.normalize(r(B, T, H, D), dim=-1).bfloat16()
+    q, k = r(B, T, H, D), r(B, T, H, D)
+    if not QK_NORM:
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+    q, k = q.bfloat16(), k.bfloat16()
     v = r(B, T, H, D).bfloat16()
     g_raw = r(B, T, H, D).bfloat16()
     beta = torch.rand(B, T, H, device=device, generator=gen).bfloat16()
@@ -57,7 +61,7 @@ def run_ours(x, gate, fn=chunk_kda_triton):
     lb = LB if gate == "bounded" else None
     A_log = torch.zeros_like(x["A_log"]) if gate == "bounded" else x["A_log"]  # bounded: A_log = 0 (docs/design.md §2)
     return fn(x["q"], x["k"], x["v"], x["g"], x["beta"], use_gate_in_kernel=True, A_log=A_log,
-              dt_bias=x["dt_bias"], lower_bound=lb, gate=gate)[0]
+              dt_bias=x["dt_bias"], lower_bound=lb, gate=gate, use_qk_l2norm_in_kernel=QK_NORM)[0]
 
 
 def load_alt(label, path):
@@ -76,7 +80,7 @@ def run_fla(x, gate):
     A_log = torch.zeros_like(x["A_log"]) if gate == "bounded" else x["A_log"]
     kw = dict(safe_gate=True, lower_bound=LB) if gate == "bounded" else {}
     return fla_chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], use_gate_in_kernel=True, A_log=A_log,
-                         dt_bias=x["dt_bias"], **kw)[0]
+                         dt_bias=x["dt_bias"], use_qk_l2norm_in_kernel=QK_NORM, **kw)[0]
 
 
 def run_sdpa(x, gate=None):
@@ -90,7 +94,8 @@ def reference(x, gate):
     A_log = torch.zeros_like(x["A_log"]) if gate == "bounded" else x["A_log"]
     xs = {n: t.double().detach().requires_grad_(n in "qkvg" or n == "beta") for n, t in x.items()}
     o = kda.chunk_kda(xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], use_gate_in_kernel=True, A_log=A_log.double(),
-                      dt_bias=xs["dt_bias"], lower_bound=lb, gate=gate, backend="torch")[0]
+                      dt_bias=xs["dt_bias"], lower_bound=lb, gate=gate, use_qk_l2norm_in_kernel=QK_NORM,
+                      backend="torch")[0]
     return o, xs
 
 
@@ -195,6 +200,8 @@ def gpu_checks():
     """Decode kernel, varlen and causality on the GPU (bf16 inputs, fp32 log-decay, as the benchmark)."""
     out = {}
     x = make(1, 3000, seed=3)
+    for n in "qk":  # the kernels' own calls here take unit-norm q/k
+        x[n] = F.normalize(x[n].float(), dim=-1).bfloat16()
     g = LB * torch.sigmoid(x["g"].float())
     cu = torch.tensor([0, 1, 700, 700, 2871, 3000], device="cuda")
     h0 = torch.randn(5, H, D, D, device="cuda")
@@ -238,15 +245,19 @@ def main():
     ap.add_argument("--profile", action="store_true", help="per-kernel times of each of --impls at the first of --sizes")
     ap.add_argument("--sizes", default="4x8192,1x32768,1x131072", help="comma-separated BxT")
     ap.add_argument("--impls", default="ours-bounded,ours-softplus,fla-bounded,sdpa", help="comma-separated")
+    ap.add_argument("--qk", choices=("raw", "normalised"), default="raw",
+                    help="raw q/k normalised inside the op (the model's call), or pre-normalised q/k")
     ap.add_argument("--skip-checks", action="store_true", help="no float64 / GPU checks (timings only)")
     ap.add_argument("--no-million", action="store_true", help="skip the 1M-token forward")
     ap.add_argument("--alt", action="append", default=[], metavar="NAME=PATH",
                     help="another copy of the model folder, timed as NAME-bounded / NAME-softplus (repeatable)")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_kda.json"))
     args = ap.parse_args()
+    global QK_NORM
+    QK_NORM = args.qk == "raw"
     dev = torch.cuda.get_device_name()
     res = dict(gpu=dev, torch=torch.__version__, triton=triton.__version__, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               fla=None, heads=H, head_dim=D, dtype="bf16", errors={}, times={}, saved_gib={}, million={})
+               fla=None, qk=args.qk, heads=H, head_dim=D, dtype="bf16", errors={}, times={}, saved_gib={}, million={})
     try:
         import fla
         res["fla"] = fla.__version__

@@ -21,7 +21,8 @@ the hybrid), `long_64k` / `long_256k` / `long_1m` (1 row of 65536 / 262144 / 104
 checkpointing through `gradient_checkpointing_enable()` on both).
 
 A step is what a trainer does: forward with `labels` (both models shift them inside), backward, AdamW step
-(fused on CUDA), `zero_grad(set_to_none=True)` and, for ours, `apply_load_balancing()`. bf16 weights
+(fused on CUDA), `zero_grad(set_to_none=True)` and, for ours, `apply_load_balancing(to_host=False)` (the bias update;
+its statistics stay on the device, reading them is one more copy). bf16 weights
 (`model.to(torch.bfloat16)`, no autocast), random token ids uniform in [0, V), a fresh model per row.
 
 Per row and library:
@@ -206,7 +207,7 @@ class Case:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.lib == "ours":
-            self.model.apply_load_balancing()
+            self.model.apply_load_balancing(to_host=False)  # statistics kept on the device: no host round trip
 
     def step(self):
         self.forward_backward()
@@ -404,6 +405,9 @@ def parse_args():
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/model_h200.json"), help="results JSON")
     p.add_argument("--profile", metavar="ROW", help="write a torch.profiler table of one step of this row")
     p.add_argument("--tiny", action="store_true", help="a few-layer tiny config on whatever device is present")
+    p.add_argument("--kda-states-limit-gib", type=float, default=None,
+                   help="ours: keep a KDA call's per-chunk states for the backward up to this many GiB (the model's "
+                        "default: kda_chunk_fwd.STATES_LIMIT_BYTES); 0 recomputes them in the backward, as fla does")
     args = p.parse_args()
     args.steps = args.steps or (3 if args.tiny else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
@@ -421,6 +425,10 @@ def parse_args():
 
 def main() -> None:
     args = parse_args()
+    if args.kda_states_limit_gib is not None:
+        from kdamoe.model import kda_chunk_fwd
+
+        kda_chunk_fwd.STATES_LIMIT_BYTES = int(args.kda_states_limit_gib * GIB)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     fla_models, fla_note = None, "not requested"
@@ -439,7 +447,8 @@ def main() -> None:
     s = sizes(args.tiny)
     report = {"environment": environment(device, fla_note), "dtype": str(dtype).removeprefix("torch."),
               "tiny": args.tiny, "steps": args.steps, "warmup": args.warmup, "long_steps": args.long_steps,
-              "long_warmup": args.long_warmup, "peak_tflops": args.peak_tflops, "rows": []}
+              "long_warmup": args.long_warmup, "peak_tflops": args.peak_tflops,
+              "kda_states_limit_gib": args.kda_states_limit_gib, "rows": []}
     if device.type == "cuda":
         report["sync_counter_check"] = count_syncs(lambda: torch.ones(1, device=device).item())
     for row in (r for r in rows_for(args.tiny) if r.name in args.rows):
