@@ -149,8 +149,8 @@ def test_kernels_match_the_torch_path_and_float64(small_tiles, monkeypatch, hold
         assert g.shape == w.shape and g.dtype == torch.float32, name
         if w.norm() > 0:  # S = 1: no gradient reaches query and key_norm_weight
             assert rel(g, w) < 1e-5 and rel(g, t) < 1e-5, name
-        else:
-            assert (g.abs() < 1e-6).all() and (t.abs() < 1e-6).all(), name
+        else:  # only fp32 rounding of Σ_s w_s g_s − w_s Σ_s w_s g_s, which is 0 for S = 1
+            assert (g.abs() < 1e-5).all() and (t.abs() < 1e-5).all(), name
 
 
 @kernel_test
