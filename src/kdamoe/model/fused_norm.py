@@ -18,13 +18,13 @@ code and the reference. Every kernel computes in fp32.
 Launches: rows are ``[BLOCK_R, BLOCK_D]`` tiles, ``BLOCK_D`` the next power of 2 of D (the whole row in registers,
 so the reduction is one ``tl.sum``, up to ``MAX_BLOCK_D``) and ``BLOCK_R`` rows so a tile holds ``TILE_ELEMENTS``
 values (a 128-wide head norm then takes 32 rows per program instead of one). Row offsets are int64 (rows x D passes
-2^31 at 1M tokens x 4096 channels). The forwards run one program per tile; the RMSNorm backward runs a persistent
-grid of ``BWD_PROGRAMS_PER_SM`` programs per SM, each looping over tiles and keeping its weight-gradient partial sum
-in registers, stored as one row of a ``[P, D]`` fp32 buffer summed in torch after: deterministic, no atomics. The
-forwards save rstd ``[R]`` fp32 so no backward recomputes the reduction. Tile and warp choices (``_row_tile``; the
-RMSNorm backward at twice the forward's warps, as it holds more tiles) follow from register counts, not timings, for
-these memory-bound kernels; compiled for sm_90 (triton 3.9, D = 128 / 1024 / 4096) they take 56-77 registers
-forward, 76-99 backward, no spills.
+2^31 at 1M tokens x 4096 channels); row indices are int32 (rows are tokens or token-heads: 2^28 at 4M x 64). The
+forwards run one program per tile; the RMSNorm backward runs a persistent grid of ``BWD_PROGRAMS_PER_SM`` programs
+per SM, each looping over tiles and keeping its weight-gradient partial sum in registers, stored as one row of a
+``[P, D]`` fp32 buffer summed in torch after: deterministic, no atomics. The forwards save rstd ``[R]`` fp32 so no
+backward recomputes the reduction. Tile and warp choices (``_row_tile``; the RMSNorm backward at twice the forward's
+warps, as it holds more tiles) follow from register counts, not timings, for these memory-bound kernels; compiled
+for sm_90 (triton 3.9, D = 128 / 1024 / 4096) they take 56-77 registers forward, 76-99 backward, no spills.
 """
 
 import functools

@@ -15,6 +15,9 @@ from .kda_common import GATES, L2NORM_EPS, check_inputs
 from .kda_launch import SLAB_MIN_TOKEN_HEADS, chunk_tables, slab_ranges
 
 MAX_HEAD_DIM = 256
+# Tokens x heads the kernels take: the chunk tables hold token indices in int32, and chunk x head offsets are int32
+# (``kda_kernel_utils``); 4M tokens x 64 heads is 2^28.
+MAX_TOKEN_HEADS = 2**31 - 1
 
 
 class _ChunkKDAFunction(torch.autograd.Function):
@@ -72,10 +75,15 @@ def gate_args(mode, A_log, dt_bias, lb, H, K, device):
 
 
 def check_triton_inputs(q, k, v, g, beta, initial_state, cu_seqlens, gate):
-    """``check_inputs`` plus what the kernels add: head dims up to MAX_HEAD_DIM and a known gate."""
+    """``check_inputs`` plus what the kernels add: head dims up to MAX_HEAD_DIM, at most MAX_TOKEN_HEADS tokens x
+    heads, and a known gate."""
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     if q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"head dims up to {MAX_HEAD_DIM} are supported, got K={q.shape[-1]}, V={v.shape[-1]}")
+    B, T, H = q.shape[:3]
+    if B * T * H > MAX_TOKEN_HEADS:
+        raise ValueError(f"the KDA kernels take at most {MAX_TOKEN_HEADS} tokens x heads (int32 chunk tables and "
+                         f"chunk x head offsets), got B*T*H = {B}*{T}*{H} = {B * T * H}")
     if gate not in GATES:
         raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
 

@@ -93,7 +93,7 @@ def reverse_loop(tables, fw, do, dht, dh0, grads):
     launch = dict(LAUNCH["bwd_state_lp" if low else "bwd_state_few" if few else "bwd_state"],
                   **({"num_stages": 1} if BK * w.element_size() > 256 else {}))
     dhs, dus = grads.dhs, grads.dus
-    _bwd_state_kernel[(triton.cdiv(V, BVr), N, H)](
+    _bwd_state_kernel[(triton.cdiv(V, BVr) * N, H)](
         fw.qg, fw.kd, fw.dl, w, do, dht if dht is not None else dhs, dh0 if dh0 is not None else dhs, dhs, dus,
         tables.cu, tables.coff, H, K, V, BK, BVr, HAS_DHT=dht is not None, STORE_DH0=dh0 is not None, LP=lp(w),
         LPS=low, **launch)

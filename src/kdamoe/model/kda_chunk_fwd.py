@@ -127,7 +127,7 @@ def state_loop(tables, q, buf, h0, ht, scale):
     stages3 = hs is not None and BK * w.element_size() <= 256
     BVl = fwd_loop_bv(BV, N, H, V, stages3, q.device)
     dummy = buf.dl
-    _fwd_state_kernel[(triton.cdiv(V, BVl), N, H)](
+    _fwd_state_kernel[(triton.cdiv(V, BVl) * N, H)](
         q, buf.gam if hs is None else dummy, buf.aqk, buf.o if buf.o is not None else dummy, buf.kd, buf.dl, w, buf.u,
         h0 if h0 is not None else dummy, ht if ht is not None else dummy, hs if hs is not None else dummy, tables.cu,
         tables.coff, scale, H, K, V, BK, BVl, HAS_H0=h0 is not None, STORE_HT=ht is not None, STORE_H=hs is not None,

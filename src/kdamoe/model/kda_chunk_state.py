@@ -1,11 +1,11 @@
 """The sequential chunk loops of KDA: the state recurrence ``S ← e^{Γ_C} S + (K e^{Γ_C − Γ})ᵀ U`` with ``U = U0 −
-W S`` (forward) and the reverse loop carrying dS (backward). One program per sequence, head and V block; every
-other kernel runs over chunks in parallel."""
+W S`` (forward) and the reverse loop carrying dS (backward). One program per sequence, head and V block (grid
+``(V/BV · sequences, H)``, ``_loop_program``); every other kernel runs over chunks in parallel."""
 
 import triton
 import triton.language as tl
 
-from .kda_kernel_utils import CHUNK, _lp_dot, _state_block
+from .kda_kernel_utils import CHUNK, _loop_program, _lp_dot, _state_block
 
 
 @triton.jit
@@ -16,9 +16,7 @@ def _fwd_state_kernel(q_ptr, gam_ptr, aqk_ptr, o_ptr, kd_ptr, dl_ptr, w_ptr, u_p
     """The sequential chunk loop of one sequence, head and V block: ``U = U0 − W S`` (overwrites U0 in place),
     ``S ← e^{Γ_C} S + (K e^{Γ_C − Γ})ᵀ U``; with WRITE_O also ``O = (scale Q e^Γ) S + P U`` (the forward: no
     per-chunk states kept), with STORE_H the state entering every chunk (the backward)."""
-    iv = tl.program_id(0)
-    n = tl.program_id(1)
-    h = tl.program_id(2)
+    n, iv, h = _loop_program(V, BV)
     bos = tl.load(cu_ptr + n).to(tl.int64)
     eos = tl.load(cu_ptr + n + 1).to(tl.int64)
     coff = tl.load(coff_ptr + n).to(tl.int64)
@@ -74,9 +72,7 @@ def _bwd_state_kernel(qg_ptr, kd_ptr, dl_ptr, w_ptr, do_ptr, dht_ptr, dh0_ptr, d
     carried as two halves of the head dim (``[BK/2, BV]``), Kd, Qg and W loaded as ``[64, BK/2]`` tiles. LP: ``Qgᵀ
     dO`` (both stored 16-bit) on 16-bit tensor cores; LPS: ``Kd dS`` and ``Wᵀ dU`` too, dS and dU rounded to bf16
     (bf16 only: fp16 would flush small gradients)."""
-    iv = tl.program_id(0)
-    n = tl.program_id(1)
-    h = tl.program_id(2)
+    n, iv, h = _loop_program(V, BV)
     bos = tl.load(cu_ptr + n).to(tl.int64)
     eos = tl.load(cu_ptr + n + 1).to(tl.int64)
     coff = tl.load(coff_ptr + n).to(tl.int64)

@@ -6,7 +6,7 @@ import triton.language as tl
 
 from .kda_chunk import check_triton_inputs, flatten_rows, qk_l2norm
 from .kda_common import kda_gate
-from .kda_kernel_utils import _state_block
+from .kda_kernel_utils import _loop_program, _state_block
 from .kda_launch import LAUNCH, launch_cfg
 
 
@@ -16,9 +16,7 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, o_ptr, h0_ptr, ht_ptr, 
                       HAS_H0: tl.constexpr, STORE_HT: tl.constexpr):
     """The per-token recurrence of one sequence, head and V block: ``S ← e^g S``, ``u = β (v − Sᵀ k)``,
     ``S ← S + k uᵀ``, ``o = Sᵀ q · scale``; the state stays in registers from ``h0`` to ``ht``."""
-    iv = tl.program_id(0)
-    n = tl.program_id(1)
-    h = tl.program_id(2)
+    n, iv, h = _loop_program(V, BV)
     bos = tl.load(cu_ptr + n).to(tl.int64)
     eos = tl.load(cu_ptr + n + 1).to(tl.int64)
     ck = tl.arange(0, BK)
@@ -74,7 +72,7 @@ def recurrent_kda_triton(q, k, v, g, beta, scale=None, initial_state=None, outpu
             ht = h0 if h0 is not None else torch.empty(N, H, K, V, device=q.device, dtype=torch.float32)
         o = torch.empty(B * T, H, V, device=q.device, dtype=q.dtype)
         BK, _, BV = launch_cfg(K, V)
-        _recurrent_kernel[(triton.cdiv(V, BV), N, H)](
+        _recurrent_kernel[(triton.cdiv(V, BV) * N, H)](
             *flat, o, h0 if h0 is not None else o, ht if ht is not None else o, cu, scale, H, K, V, BK, BV,
             HAS_H0=h0 is not None, STORE_HT=ht is not None, **LAUNCH["recurrent"])
     return o.reshape(B, T, H, V), ht

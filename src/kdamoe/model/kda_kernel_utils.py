@@ -1,6 +1,14 @@
 """Triton helpers shared by the KDA kernels: the chunk tile, the exp, the 16-bit dots and the offsets of the
 per-chunk and per-state tensors. Rows are tokens of ``[B*T, H, *]`` tensors; the per-chunk tables ``A_qk`` and
-``T`` are ``[B*T, H, CHUNK]`` (row t holds its chunk's row t)."""
+``T`` are ``[B*T, H, CHUNK]`` (row t holds its chunk's row t).
+
+Offsets in the KDA kernels: a token row times its row width (``H K``, ``H V``, ``H CHUNK``; 2^20 tokens x 2048 is
+2^31) and a chunk or sequence index times a state's ``K V`` (16K chunks x 16 heads x 16K values at 1M tokens) are
+int64 (the int32 chunk tables' entries are widened as they are loaded); offsets inside one chunk's rows or one
+state, and chunk x head products, are int32: ``check_triton_inputs`` keeps tokens x heads below 2^31, and there are
+no more chunks than tokens. Programs run over chunks on grid axis 0 (up to 2^31 - 1 of them); the chunk loops put
+(sequence, V block) there too, as CUDA allows 65535 programs on axes 1 and 2 and a packed batch can hold more
+documents."""
 
 import triton
 import triton.language as tl
@@ -64,6 +72,13 @@ def _state_block(ptr, n, h, H, ck, cv, K: tl.constexpr, V: tl.constexpr, BK: tl.
     else:
         S = tl.zeros((BK, BV), dtype=tl.float32)
     return offs_s, ms, state_off, S
+
+
+@triton.jit
+def _loop_program(V: tl.constexpr, BV: tl.constexpr):
+    """A chunk loop's ``(V/BV · sequences, H)`` grid's program: sequence n, V block iv, head h (the V blocks of a
+    sequence and head are adjacent programs)."""
+    return tl.program_id(0) // tl.cdiv(V, BV), tl.program_id(0) % tl.cdiv(V, BV), tl.program_id(1)
 
 
 @triton.jit

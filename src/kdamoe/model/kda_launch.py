@@ -43,7 +43,8 @@ SLABS, SLAB_MIN_TOKEN_HEADS, SLAB_TOKENS = 8, dict(forward=1 << 18, backward=1 <
 
 @dataclasses.dataclass(frozen=True)
 class ChunkTables:
-    """Where the sequences and chunks of a flat ``[TT, H, *]`` batch lie (int32 tensors on the inputs' device)."""
+    """Where the sequences and chunks of a flat ``[TT, H, *]`` batch lie (int32 tensors on the inputs' device; TT is
+    below 2^31, ``kda_chunk.check_triton_inputs``)."""
 
     cu: torch.Tensor  # [N+1] first token of each sequence, and TT
     coff: torch.Tensor  # [N+1] first chunk of each sequence, and NC

@@ -18,9 +18,9 @@ computes the rows' losses and overwrites the logits with their gradient; elsewhe
 reference, upcasts the chunk to fp32. The logits are rounded to the same dtype either way, and the GEMMs that
 consume their gradient take it in the same 16-bit dtype under autocast or with 16-bit weights.
 
-Sizes: every index is torch's (64-bit); a chunk holds about `CHUNK_LOGITS` logits (2^26), so its temporaries stay
-far below 2^31 elements at any vocab, and only `hidden`, `grad_hidden` and `grad_weight` pass 2^31 elements (1M rows
-x 4096, or a 256K x 8192 vocab projection).
+Sizes: torch's indices are 64-bit, and so is the kernel's row offset (a `chunk_size` of more than 2^31 / V rows
+puts a chunk's logits past 2^31); a default chunk holds about `CHUNK_LOGITS` logits (2^26), so only `hidden`,
+`grad_hidden` and `grad_weight` pass 2^31 elements (1M rows x 4096, or a 256K x 8192 vocab projection).
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@
 - Token combine: `out[n] = sum_j w[n, j] * y[inverse[n*k + j]]` (the weighted combine of the expert outputs, and
   with `w = 1` the backward of the token permutation) and its backward. One program per token: the k rows are
   summed in a fixed order in fp32 (no atomics), and every row of `dy` is written by exactly one program.
+
+Offsets: a row index times its row stride is int64 (1M tokens x top-8 routed rows x 1024 values pass 2^31), and so
+is a token's first slot n·k; row indices are int32 (routed rows stay below 2^31: 64M at 4M tokens x top-16).
 """
 
 import torch
