@@ -150,20 +150,22 @@ def test_loop_experts_match_naive_reference(activation):
 
 
 @pytest.mark.parametrize("activation", ["situ_glu", "swiglu"])
-def test_grouped_path_equals_loop_path_with_gradients(activation):
-    """float64: the grouped path runs its torch fallback for grouped_mm; outputs and all gradients agree."""
+def test_grouped_and_dense_paths_equal_loop_path_with_gradients(activation):
+    """float64: the grouped path runs its torch fallback for grouped_mm, the dense one (torch.compile's) every expert
+    on every token; outputs and all gradients agree with the loop's."""
     experts = init_(KDAMoEExperts(make_config(expert_activation=activation))).double()
     x = torch.randn(11, 16, dtype=torch.float64)
     index, weights = routing(11, 6, 2, seed=1, skip=(0, 3))
     results = []
-    for fn in (experts.forward_loop, experts.forward_grouped):
+    for fn in (experts.forward_loop, experts.forward_grouped, experts.forward_dense):
         xx, ww = x.clone().requires_grad_(), weights.clone().requires_grad_()
         out = fn(xx, index, ww)
         grads = torch.autograd.grad((out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum(),
                                     (xx, ww, experts.gate_up_proj, experts.down_proj))
         results.append((out, *grads))
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.skipif(moe._GROUPED_MM is None, reason="torch has no grouped_mm")

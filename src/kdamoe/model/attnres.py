@@ -57,9 +57,15 @@ def _forward_torch(sources, u, eps):
     logits, rstd = _source_logits(sources, u, eps)
     weights = logits.softmax(0)  # [S, B, T]
     out = weights[0, ..., None] * _wide(sources[0])
+    # Under torch.compile out of place, and never a no-op `.to`: torch 2.11 gives an `autograd.Function` output that
+    # an in-place op or a no-op `.to` produced a zero gradient.
+    compiling = torch.compiler.is_compiling()
     for s in range(1, len(sources)):
-        out.addcmul_(weights[s, ..., None], sources[s])
-    return out.to(sources[0].dtype), logits, rstd, weights
+        if compiling:
+            out = out + weights[s, ..., None] * sources[s]
+        else:
+            out.addcmul_(weights[s, ..., None], sources[s])
+    return out if out.dtype == sources[0].dtype else out.to(sources[0].dtype), logits, rstd, weights
 
 
 def _backward_torch(dout, sources, u, logits, rstd, weights, needs_grad):
@@ -81,18 +87,25 @@ def _backward_torch(dout, sources, u, logits, rstd, weights, needs_grad):
     return du, dsources
 
 
+def _depth_attention_forward(query, key_norm_weight, eps, backend, sources):
+    """``(out, kernels, logits, rstd, weights, sources)``: the forward of both paths and what the backward needs."""
+    u = _wide(query) * _wide(key_norm_weight)  # [D]: w · (γ ⊙ x) = (w ⊙ γ) · x
+    kernels = _use_kernels(backend, sources)
+    if kernels:
+        sources = tuple(v.contiguous() for v in sources)  # a copy only for a non-contiguous source
+        out, logits, rstd, weights = depth_attention_fwd(sources, u, eps)
+    else:
+        out, logits, rstd, weights = _forward_torch(sources, u, eps)
+    return out, kernels, logits, rstd, weights, sources
+
+
 class _DepthAttentionFunction(torch.autograd.Function):
     """``Σ_s softmax_s(logit_s) V_s`` with ``logit_s = RMSNorm_γ(V_s) · w``; saves the sources by reference."""
 
     @staticmethod
     def forward(ctx, query, key_norm_weight, eps, backend, *sources):
-        u = _wide(query) * _wide(key_norm_weight)  # [D]: w · (γ ⊙ x) = (w ⊙ γ) · x
-        ctx.kernels = _use_kernels(backend, sources)
-        if ctx.kernels:
-            sources = tuple(v.contiguous() for v in sources)  # a copy only for a non-contiguous source
-            out, logits, rstd, weights = depth_attention_fwd(sources, u, eps)
-        else:
-            out, logits, rstd, weights = _forward_torch(sources, u, eps)
+        out, ctx.kernels, logits, rstd, weights, sources = _depth_attention_forward(
+            query, key_norm_weight, eps, backend, sources)
         ctx.save_for_backward(query, key_norm_weight, logits, rstd, weights, *sources)
         return out
 
@@ -123,8 +136,14 @@ class DepthAttention(nn.Module):
         return _source_logits(tuple(sources), u, self.eps)[0].softmax(dim=0)
 
     def forward(self, sources: Sequence[torch.Tensor], backend: str | None = None) -> torch.Tensor:
-        """``backend``: None (Triton kernels for CUDA sources they take), ``"torch"`` or ``"triton"``."""
-        return _DepthAttentionFunction.apply(self.query, self.key_norm_weight, self.eps, backend, *sources)
+        """``backend``: None (Triton kernels for CUDA sources they take), ``"torch"`` or ``"triton"``.
+
+        Without gradients the forward runs outside the `autograd.Function`: nothing is saved, and torch.compile,
+        which inlines such a call, binds the `*sources` of its forward wrongly when their count matches the
+        number of its named parameters."""
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (self.query, self.key_norm_weight, *sources)):
+            return _DepthAttentionFunction.apply(self.query, self.key_norm_weight, self.eps, backend, *sources)
+        return _depth_attention_forward(self.query, self.key_norm_weight, self.eps, backend, tuple(sources))[0]
 
 
 @dataclass

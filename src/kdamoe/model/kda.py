@@ -189,15 +189,20 @@ def recurrent_kda(
     backend=None,
 ):
     """Step-by-step KDA for decoding (a few tokens, state in and out). Same arguments and returns as ``chunk_kda``."""
-    return _dispatch(recurrent_kda_triton, naive_recurrent_kda, q, k, v, g, beta, scale, initial_state,
+    return _dispatch(recurrent_kda_triton, _recurrent_core, q, k, v, g, beta, scale, initial_state,
                      output_final_state, cu_seqlens, use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
                      lower_bound, gate, backend)
 
 
-def _chunk_core(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+def _chunk_core(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, span_bounded=False):
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    o, state = _chunk_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens)
+    o, state = _chunk_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, span_bounded)
     return o, (state if output_final_state else None)
+
+
+def _recurrent_core(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, span_bounded=False):
+    """``naive_recurrent_kda`` with ``_chunk_core``'s arguments (``span_bounded`` concerns the chunked form only)."""
+    return naive_recurrent_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
 
 
 def _dispatch(kernel, torch_core, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
@@ -215,12 +220,16 @@ def _dispatch(kernel, torch_core, q, k, v, g, beta, scale, initial_state, output
     out_dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, A_log, dt_bias, use_gate_in_kernel, use_qk_l2norm_in_kernel, gate,
                                 lower_bound)
-    o, state = torch_core(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    # The bounded gate's decay over a sub-block, below SUB_BLOCK * |lower_bound|, decides the exact pairwise form of
+    # the intra-chunk scores statically (no read of the values).
+    span_bounded = use_gate_in_kernel and gate == "bounded" and -lower_bound * SUB_BLOCK <= SPAN_LIMIT
+    o, state = torch_core(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, span_bounded)
     return o.to(out_dtype), state
 
 
-def _chunk_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens):
-    """Torch chunked KDA on validated inputs. Returns ``(o [B, T, H, V], final_state [N, H, K, V])`` in the compute dtype."""
+def _chunk_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens, span_bounded=False):
+    """Torch chunked KDA on validated inputs (``span_bounded``: see ``_intra_chunk_scores``). Returns
+    ``(o [B, T, H, V], final_state [N, H, K, V])`` in the compute dtype."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     C, S = CHUNK_SIZE, SUB_BLOCK
@@ -257,7 +266,7 @@ def _chunk_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     from_start = (Gam - start.unsqueeze(-2)).exp()  # exp(Γ_i − Γ_start(I)) <= 1
     k_end = k * (end.unsqueeze(-2) - Gam).exp()  # k ⊙ exp(Γ_end(I) − Γ) <= |k|
     q_l, k_l = q * from_start, k * from_start
-    A_qk, A_kk = _intra_chunk_scores(q, k, Gam, q_l, k_l, k_end, start, end)
+    A_qk, A_kk = _intra_chunk_scores(q, k, Gam, q_l, k_l, k_end, start, end, span_bounded)
 
     def flat(x):  # [..., n, S, D] -> [..., C, D]
         return x.flatten(-3, -2)
@@ -294,11 +303,13 @@ def _chunk_torch(q, k, v, g, beta, scale, initial_state, cu_seqlens):
     return o.index_select(1, (index < T).nonzero().squeeze(-1)), torch.cat(finals, 0)
 
 
-def _intra_chunk_scores(q, k, Gam, q_l, k_l, k_end, start, end):
+def _intra_chunk_scores(q, k, Gam, q_l, k_l, k_end, start, end, span_bounded):
     """Intra-chunk ``A_qk`` (``j <= i``) and ``A_kk`` (``j < i``, without β) as ``[..., C, C]``.
 
     Inputs in sub-blocks ``[..., n, S, K]``: ``q, k, Gam``; ``q_l, k_l = (q, k) ⊙ e^{Γ − Γ_start}``,
     ``k_end = k ⊙ e^{Γ_end − Γ}``; ``start, end: [..., n, K]`` (Γ before / at the end of each sub-block).
+    ``span_bounded``: the gate keeps every sub-block's decay within SPAN_LIMIT (decided from the gate, not the
+    values), so no row needs the exact pairwise form.
     Entry (i, j) only reads tokens ``<= i``, so later inputs cannot change it (not even its rounding).
     """
     n, S, K = q.shape[-3:]
@@ -319,22 +330,33 @@ def _intra_chunk_scores(q, k, Gam, q_l, k_l, k_end, start, end):
         rows.append(F.pad(row, (0, C - (i + 1) * S)))
     rows = torch.stack(rows, -3)  # [..., n(I), 2S, C]
     A_qk, A_kk = rows[..., :S, :], rows[..., S:, :]
-    wide = since_start.amax(-1) > SPAN_LIMIT  # [..., n, S]: rows that need the exact pairwise form
-    if wide.any():  # only unbounded gates get here: pairwise exp(Γ_i − Γ_j), masked to j <= i before exp
-        idx = wide.any(-1).nonzero(as_tuple=True)
-        qw, kw, Gw = q[idx], k[idx], Gam[idx]
-        causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril().unsqueeze(-1)
-        kd = (Gw.unsqueeze(-2) - Gw.unsqueeze(-3)).masked_fill(~causal, -math.inf).exp() * kw.unsqueeze(-3)
-        on_diag = torch.eye(n, dtype=torch.bool, device=q.device)[:, None, :, None]  # [n(I), 1, n(J), 1]
-        replace = wide[..., None, None] & on_diag  # [..., n(I), S(i), n(J), 1]
-
-        def exact(x, pairwise):  # x [..., n, S, C]: wide rows take the pairwise values on their diagonal block
-            d = x.new_zeros(*lead, n, S, S).index_put(idx, pairwise)
-            return torch.where(replace, d.unsqueeze(-2), x.unflatten(-1, (n, S))).flatten(-2)
-
-        A_qk = exact(A_qk, (kd @ qw.unsqueeze(-1)).squeeze(-1))
-        A_kk = exact(A_kk, (kd @ kw.unsqueeze(-1)).squeeze(-1))
+    if not span_bounded:  # only unbounded gates get here
+        A_qk, A_kk = _exact_wide_rows(q, k, Gam, since_start, A_qk, A_kk)
     return A_qk.reshape(*lead, C, C).tril(), A_kk.reshape(*lead, C, C).tril(-1)
+
+
+def _exact_wide_rows(q, k, Gam, since_start, A_qk, A_kk):
+    """``A_qk, A_kk [..., n(I), S, C]`` with the diagonal-block entries of the rows that decayed more than
+    SPAN_LIMIT since their sub-block's start replaced by the exact pairwise form: ``exp(Γ_i − Γ_j)``, masked to
+    ``j <= i`` before ``exp``. Eagerly only the sub-blocks that hold such rows are computed; under
+    ``torch.compile`` every sub-block is (static shapes, no host read of the values)."""
+    n, S = q.shape[-3:-1]
+    wide = since_start.amax(-1) > SPAN_LIMIT  # [..., n, S]
+    compiling = torch.compiler.is_compiling()
+    if not compiling and not wide.any():
+        return A_qk, A_kk
+    idx = (...,) if compiling else wide.any(-1).nonzero(as_tuple=True)
+    qw, kw, Gw = q[idx], k[idx], Gam[idx]
+    causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril().unsqueeze(-1)
+    kd = (Gw.unsqueeze(-2) - Gw.unsqueeze(-3)).masked_fill(~causal, -math.inf).exp() * kw.unsqueeze(-3)
+    on_diag = torch.eye(n, dtype=torch.bool, device=q.device)[:, None, :, None]  # [n(I), 1, n(J), 1]
+    replace = wide[..., None, None] & on_diag  # [..., n(I), S(i), n(J), 1]
+
+    def exact(x, pairwise):  # x [..., n, S, C]: wide rows take the pairwise values on their diagonal block
+        d = pairwise if compiling else x.new_zeros(*q.shape[:-1], S).index_put(idx, pairwise)
+        return torch.where(replace, d.unsqueeze(-2), x.unflatten(-1, (n, S))).flatten(-2)
+
+    return exact(A_qk, (kd @ qw.unsqueeze(-1)).squeeze(-1)), exact(A_kk, (kd @ kw.unsqueeze(-1)).squeeze(-1))
 
 
 def _solve_unit_lower(N, rhs):

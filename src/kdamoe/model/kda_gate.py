@@ -11,7 +11,7 @@ from .kda_kernel_utils import CHUNK
 def _gate(x, a, lower_bound, GATE: tl.constexpr):
     """Log-decay from ``x = raw + dt_bias`` and ``a = exp(A_log)``: 1 bounded ``lb σ(a x)``, 2 ``−a softplus(x)``."""
     if GATE == 1:
-        return lower_bound * tl.sigmoid(a * x)
+        return tl.cast(lower_bound, tl.float32) * tl.sigmoid(a * x)  # Inductor may pass the float as fp64
     # softplus(x) = max(x, 0) + log(1 + e^-|x|), with log(1 + y) ~ y (1 - y/2) for small y
     y = tl.exp(-tl.abs(x))
     return -a * (tl.maximum(x, 0.0) + tl.where(y < 1e-4, y * (1.0 - 0.5 * y), tl.log(1.0 + y)))

@@ -17,12 +17,18 @@ class TokenIdCheck:
     Ids elsewhere are checked at once. On a CUDA device the ids are clamped into range (no device fault) and their
     min and max, copied to pinned host memory behind the forward, raise at the first later call that finds the copy
     done: the forward that read a bad id is reported one call late, and no call waits for the device.
+
+    Under `torch.compile` the check is part of the graph (no host read, no graph break): an assertion on the device
+    (a `RuntimeError` with the same message at the call on the CPU, a device-side assert on CUDA), then the clamp.
     """
 
     def __init__(self):
         self._pending = None  # (copy-done event, pinned [min, max], vocab size) of the last CUDA call
 
     def __call__(self, input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            torch._assert_async(((input_ids >= 0) & (input_ids < vocab_size)).all(), _token_id_message(vocab_size))
+            return input_ids.clamp(0, vocab_size - 1)
         self.raise_pending()
         if input_ids.numel() == 0:
             return input_ids
@@ -49,8 +55,18 @@ class TokenIdCheck:
             raise _token_id_error(low, high, vocab_size)
 
 
+def _token_id_message(vocab_size: int) -> str:
+    return f"`input_ids` holds token ids outside [0, vocab_size={vocab_size})"
+
+
 def _token_id_error(low: int, high: int, vocab_size: int) -> ValueError:
-    return ValueError(f"`input_ids` holds token ids outside [0, vocab_size={vocab_size}): min {low}, max {high}")
+    return ValueError(f"{_token_id_message(vocab_size)}: min {low}, max {high}")
+
+
+_PACKED_UNDER_COMPILE = (
+    "packed sequences (position_ids restarting at 0 after a real token of the row) need eager mode: under "
+    "torch.compile every row runs as one document"
+)
 
 
 @dataclasses.dataclass
@@ -69,10 +85,23 @@ class PackedDocuments:
     last_doc_of_row: torch.Tensor
 
     @classmethod
-    def from_position_ids(cls, position_ids: torch.Tensor, device: torch.device) -> "PackedDocuments | None":
+    def from_position_ids(
+        cls, position_ids: torch.Tensor, device: torch.device, token_mask: torch.Tensor | None = None
+    ) -> "PackedDocuments | None":
         """None when every row holds a single document (the fast, unpacked path). The tables are built on the host
         and sent to `device`: `position_ids` on the host (as `kdamoe-train` passes them) cost no device round trip,
-        on the device one."""
+        on the device one.
+
+        Under `torch.compile` the document count would set the shapes: the batch runs unpacked, and an assertion on
+        the device (a `RuntimeError` on the CPU) rejects a real token (`token_mask [B, T]` True, or every token
+        without a mask) whose position restarts at 0 after a real token of its row. Restarts after padding only (the
+        left padding of `generate`) give the unpacked result, since padded tokens carry no state."""
+        if torch.compiler.is_compiling():
+            starts = position_ids.to(device) == 0
+            real = torch.ones_like(starts) if token_mask is None else token_mask.bool()
+            after_real = real.long().cumsum(1) > real.long()  # a real token precedes this one in its row
+            torch._assert_async(~(starts & real & after_real).any(), _PACKED_UNDER_COMPILE)
+            return None
         starts = (position_ids == 0).cpu()
         starts[:, 0] = True
         if int(starts.sum()) == starts.shape[0]:

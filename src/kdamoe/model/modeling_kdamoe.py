@@ -441,8 +441,8 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         past_len = cache.get_seq_length() if cache is not None else 0
         if attention_mask is not None and attention_mask.dim() != 2:
             raise ValueError("`attention_mask` must be a 2-D padding mask [batch, past + new tokens].")
-        padding_mask = None
-        if attention_mask is not None and not bool(attention_mask.bool().all()):
+        padding_mask = None  # under torch.compile a given mask is applied whatever it holds (no host read)
+        if attention_mask is not None and (torch.compiler.is_compiling() or not bool(attention_mask.bool().all())):
             padding_mask = attention_mask.bool()
             if padding_mask.shape != (batch, past_len + seq_len):
                 raise ValueError(
@@ -451,7 +451,7 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         token_mask = padding_mask[:, -seq_len:] if padding_mask is not None else None
         packed = None
         if position_ids is not None and past_len == 0:
-            packed = PackedDocuments.from_position_ids(position_ids, inputs_embeds.device)
+            packed = PackedDocuments.from_position_ids(position_ids, inputs_embeds.device, token_mask)
         mask = build_attention_mask(padding_mask, packed, seq_len, past_len, inputs_embeds.device)
 
         start = ResidualState.start(inputs_embeds, self.config.residual_mode)
@@ -523,6 +523,7 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
             hidden_states.reshape(-1, hidden_states.shape[-1]), self.lm_head.weight,
             shift_labels.reshape(-1).to(hidden_states.device),
             reduction="mean" if num_items_in_batch is None else "sum",
+            validate=False if torch.compiler.is_compiling() else None,  # traced: a bad label makes the loss NaN
         )
         if num_items_in_batch is not None:
             loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch)

@@ -27,10 +27,16 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
+def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x.to(dtype)`, but `x` itself when the dtype matches: torch.compile (torch 2.11) gives an `autograd.Function`
+    output made by a no-op `.to` a zero gradient."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def _situ_glu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     dtype = _compute_dtype(gate)
     g, u = gate.to(dtype), up.to(dtype)
-    return (4.0 * torch.tanh(g / 4.0) * torch.sigmoid(g) * (25.0 * torch.tanh(u / 25.0))).to(gate.dtype)
+    return _cast(4.0 * torch.tanh(g / 4.0) * torch.sigmoid(g) * (25.0 * torch.tanh(u / 25.0)), gate.dtype)
 
 
 def _situ_glu_backward(gate: torch.Tensor, up: torch.Tensor, grad_h: torch.Tensor):
@@ -72,15 +78,21 @@ class _SiTUGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_h: torch.Tensor):
         g, u = ctx.saved_tensors
-        if _use_triton(g):
-            shape = (*g.shape[:-1], 2 * g.shape[-1]) if ctx.packed else g.shape
-            grad_g = torch.empty(shape, dtype=g.dtype, device=g.device)
-            grad_gate, grad_up = grad_g.chunk(2, dim=-1) if ctx.packed else (grad_g, torch.empty_like(u))
-            situ_glu_bwd_triton(_as_rows(g), _as_rows(u), _as_rows(grad_h), grad_gate.view(-1, g.shape[-1]),
-                                grad_up.view(-1, g.shape[-1]))
-            return (grad_g, None) if ctx.packed else (grad_gate, grad_up)
-        grad_gate, grad_up = _situ_glu_backward(g, u, grad_h)
-        return (torch.cat([grad_gate, grad_up], dim=-1), None) if ctx.packed else (grad_gate, grad_up)
+        return _situ_glu_grad(g, u, grad_h, ctx.packed)
+
+
+def _situ_glu_grad(g: torch.Tensor, u: torch.Tensor, grad_h: torch.Tensor, packed: bool):
+    """SiTU-GLU's input gradients for `g, u, grad_h [..., I]`: `(grad_gate_up [..., 2I], None)` when `packed`,
+    else `(grad_gate, grad_up)`, in the inputs' dtype."""
+    if _use_triton(g):
+        shape = (*g.shape[:-1], 2 * g.shape[-1]) if packed else g.shape
+        grad_g = torch.empty(shape, dtype=g.dtype, device=g.device)
+        grad_gate, grad_up = grad_g.chunk(2, dim=-1) if packed else (grad_g, torch.empty_like(u))
+        situ_glu_bwd_triton(_as_rows(g), _as_rows(u), _as_rows(grad_h), grad_gate.view(-1, g.shape[-1]),
+                            grad_up.view(-1, g.shape[-1]))
+        return (grad_g, None) if packed else (grad_gate, grad_up)
+    grad_gate, grad_up = _situ_glu_backward(g, u, grad_h)
+    return (torch.cat([grad_gate, grad_up], dim=-1), None) if packed else (grad_gate, grad_up)
 
 
 def situ_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -100,6 +112,18 @@ def _packed_activation(name: str, gate_up: torch.Tensor) -> torch.Tensor:
     if name == "situ_glu":
         return _SiTUGLU.apply(gate_up, None)
     return swiglu(*gate_up.chunk(2, dim=-1))
+
+
+def _packed_activation_grad(name: str, gate_up: torch.Tensor, grad_h: torch.Tensor) -> torch.Tensor:
+    """The gradient `[..., 2I]` of `_packed_activation(name, gate_up)` for `grad_h [..., I]`, from the derivatives
+    written out: no autograd graph, so that a backward can call it (and torch.compile trace it)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if name == "situ_glu":
+        return _situ_glu_grad(gate, up, grad_h, packed=True)[0]
+    dtype = _compute_dtype(gate)
+    g, u, dh = gate.to(dtype), up.to(dtype), grad_h.to(dtype)
+    sg = torch.sigmoid(g)  # d silu(g) / dg = σ(g) (1 + g (1 - σ(g)))
+    return torch.cat([dh * u * sg * (1.0 + g * (1.0 - sg)), dh * g * sg], dim=-1).to(gate_up.dtype)
 
 
 # ----------------------------------------------------------------------------------------------- experts
@@ -137,13 +161,10 @@ class _ActivationDown(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         gate_up, weight = ctx.saved_tensors
-        with torch.enable_grad():
-            leaf = gate_up.detach().requires_grad_()
-            h = _packed_activation(ctx.activation, leaf)  # [..., I], in the dtype the forward's linear saw
-        grad_w = grad_out.reshape(-1, grad_out.shape[-1]).t().to(h.dtype) @ h.detach().reshape(-1, h.shape[-1])
+        h = _packed_activation(ctx.activation, gate_up)  # [..., I], in the dtype the forward's linear saw
+        grad_w = grad_out.reshape(-1, grad_out.shape[-1]).t().to(h.dtype) @ h.reshape(-1, h.shape[-1])
         grad_h = grad_out.to(h.dtype) @ weight.to(h.dtype)
-        (grad_gate_up,) = torch.autograd.grad(h, leaf, grad_h)
-        return None, grad_gate_up, grad_w.to(weight.dtype)
+        return None, _packed_activation_grad(ctx.activation, gate_up, grad_h), grad_w.to(weight.dtype)
 
 
 def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -173,8 +194,8 @@ def _gather_sum(y: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor | 
     dtype = _compute_dtype(y)
     rows = y.index_select(0, inverse).view(-1, top_k, y.shape[-1]).to(dtype)
     if weights is None:
-        return rows.sum(1).to(y.dtype)
-    return torch.bmm(weights.to(dtype).unsqueeze(1), rows).squeeze(1).to(y.dtype)
+        return _cast(rows.sum(1), y.dtype)
+    return _cast(torch.bmm(weights.to(dtype).unsqueeze(1), rows).squeeze(1), y.dtype)
 
 
 class _PermuteTokens(torch.autograd.Function):
@@ -237,7 +258,8 @@ class KDAMoEExperts(nn.Module):
 
     `forward(hidden [N, D], top_k_index [N, k], top_k_weights [N, k]) -> [N, D]`: on CUDA in bf16 the tokens are
     sorted by expert and run through grouped GEMMs (`forward_grouped`); elsewhere a loop over the experts that
-    received tokens (`forward_loop`). Both compute the same function.
+    received tokens (`forward_loop`), or under torch.compile every expert on every token (`forward_dense`: the
+    loop's shapes depend on the routing). All compute the same function.
     """
 
     def __init__(self, config):
@@ -258,6 +280,8 @@ class KDAMoEExperts(nn.Module):
             and self.hidden_size % 8 == 0 and self.intermediate_size % 8 == 0
         ):
             return self.forward_grouped(hidden.to(dtype), top_k_index, top_k_weights)
+        if torch.compiler.is_compiling():
+            return self.forward_dense(hidden, top_k_index, top_k_weights)
         return self.forward_loop(hidden, top_k_index, top_k_weights)
 
     def _check(self, hidden, top_k_index, top_k_weights) -> None:
@@ -279,6 +303,16 @@ class KDAMoEExperts(nn.Module):
             y = (h @ self.down_proj[expert].T) * top_k_weights[token, slot, None].to(hidden.dtype)
             out = out.index_add(0, token, y)
         return out
+
+    def forward_dense(self, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+        """Every expert on every token (`[E, N, 2I]` activations, E / k times the FLOPs of the routed paths), each
+        output weighted by the token's routing weight for that expert (0 where not routed): static shapes."""
+        self._check(hidden, top_k_index, top_k_weights)
+        dense_weights = torch.zeros(hidden.shape[0], self.num_experts, dtype=top_k_weights.dtype,
+                                    device=hidden.device).scatter_add(1, top_k_index, top_k_weights)  # [N, E]
+        h = _packed_activation(self.activation, hidden @ self.gate_up_proj.transpose(1, 2))  # [E, N, I]
+        y = h @ self.down_proj.transpose(1, 2)  # [E, N, D]
+        return (y * dense_weights.t().unsqueeze(-1).to(hidden.dtype)).sum(0)
 
     def forward_grouped(self, hidden, top_k_index, top_k_weights) -> torch.Tensor:
         """Tokens sorted by expert, two grouped GEMMs, fixed-order weighted combine (no host synchronisation)."""
@@ -492,7 +526,7 @@ class KDAMoESparseMoeBlock(nn.Module):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         logits, scores, top_k_index, top_k_weights, cutoff = self.router(x)
         mask = None if token_mask is None else token_mask.reshape(-1).to(torch.bool)
-        if self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+        if self.training and torch.is_grad_enabled() and _outside_backward():
             self._accumulate(scores, top_k_index, cutoff, mask)
         out = self.experts(x, top_k_index, top_k_weights)
         if self.shared_experts is not None:
@@ -562,6 +596,12 @@ class KDAMoESparseMoeBlock(nn.Module):
             "dead_experts": (loads == 0).sum(),
             "bias_norm": bias.double().norm(),
         }
+
+
+def _outside_backward() -> bool:
+    """True unless autograd is running a backward (the recompute of non-reentrant checkpointing). A graph that
+    torch.compile traces cannot ask (the graph task is not traceable): it is taken to run outside."""
+    return torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1
 
 
 def summary_to_host(stats: list[dict]) -> list[dict]:
