@@ -6,8 +6,9 @@
 #   `KDA=1 REST=0 bash tools/gpu_suite.sh` (~3 min): the CUDA KDA kernel tests, then benchmarks/bench_kda.py in one
 #   run: ours (both gates), SDPA and — with .gpu/fla_autotune.tgz carried — fla-core at every size, plus the
 #   1M-token forwards;
-#   `MODEL=1 REST=0 bash tools/gpu_suite.sh` (~8 min): the CUDA tests of the model's fused path, then
-#   benchmarks/bench_model.py (ours against fla's model; MODEL_ROWS picks rows), fla's autotuning packed again;
+#   `MODEL=1 REST=0 MODEL_BENCH_S=0 bash tools/gpu_suite.sh` (~7 min): the CUDA tests of the model's fused path,
+#   torch.compile and offsets past 2^31; `MODEL=1 REST=0 MODEL_TEST_S=0 ...` (~6 min): benchmarks/bench_model.py
+#   (ours against fla's model; MODEL_ROWS picks rows), fla's autotuning packed again (a limit of 0 skips a part);
 #   `PROFILE=1 REST=0 ...`: benchmarks/profile_ops.py (kernel tables, ours vs fla-core; autotunes fla again);
 #   `bash tools/gpu_suite.sh` (REST, ~5 min): CUDA-only MoE tests, benchmarks/bench_moe.py, a short `small`-preset
 #   training run for tokens/s and MFU, and a torch.profiler table of one `small` training step
@@ -37,13 +38,17 @@ if [ "${KDA:-0}" = 1 ]; then
 fi
 if [ "${MODEL:-0}" = 1 ]; then
   [ -f .gpu/fla_autotune.tgz ] && mkdir -p ~/.triton/cache && tar xzf .gpu/fla_autotune.tgz -C ~/.triton/cache
-  echo "== CUDA tests of the model's fused path"
-  timeout "${MODEL_TEST_S:-150}" python3 -m pytest -q -x tests/test_model_fused.py tests/test_fused_ops.py \
-    tests/test_attnres.py tests/test_loss.py 2>&1 | tail -6
-  echo "== bench_model (ours against fla's KDAForCausalLM, one process)"
-  timeout "${MODEL_BENCH_S:-330}" python3 benchmarks/bench_model.py --rows "${MODEL_ROWS:-dense,attnres,packed,moe}" \
-    --steps 6 --warmup 2 --profile "${MODEL_PROFILE:-attnres}" --out "$OUT/model_h200.json" 2>&1 \
-    | grep -v -i warn | tee "$OUT/bench_model.log" | tail -25
+  if [ "${MODEL_TEST_S:-420}" != 0 ]; then
+    echo "== CUDA tests of the model's fused path, torch.compile, offsets past 2^31"
+    timeout "${MODEL_TEST_S:-420}" python3 -m pytest -q tests/test_model_fused.py tests/test_fused_ops.py \
+      tests/test_attnres.py tests/test_loss.py tests/test_compile.py tests/test_large_offsets.py 2>&1 | tail -8
+  fi
+  if [ "${MODEL_BENCH_S:-330}" != 0 ]; then
+    echo "== bench_model (ours against fla's KDAForCausalLM, one process)"
+    timeout "${MODEL_BENCH_S:-330}" python3 benchmarks/bench_model.py --rows "${MODEL_ROWS:-dense,attnres,packed,moe}" \
+      --steps 6 --warmup 2 --profile "${MODEL_PROFILE:-attnres}" --out "$OUT/model_h200.json" 2>&1 \
+      | grep -v -i warn | tee "$OUT/bench_model.log" | tail -25
+  fi
   (cd ~/.triton/cache && find . -name "*.autotune.json" | tar czf "$OUT/fla_autotune.tgz" -T -)
 fi
 if [ "${FLA:-0}" = 1 ]; then
