@@ -1,4 +1,4 @@
-"""Context parallelism (`kdamoe.model.context_parallel`): a sequence split across gloo ranks on the CPU gives the
+"""Context parallelism (`kdamoe.context_parallel`): a sequence split across gloo ranks on the CPU gives the
 single-process outputs, final state and gradients, in float64 (the torch KDA path), for batches, packed documents
 crossing rank boundaries (and starting on one), an initial state, and the gate and L2 norm inside the op."""
 
@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kdamoe.model import kda
-from kdamoe.model.context_parallel import context_parallel_kda, gather_sequence, previous_tail
+from kdamoe.context_parallel import context_parallel_kda, gather_sequence, previous_tail
 
 H, K, V = 2, 8, 6
 
