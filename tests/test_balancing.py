@@ -1,5 +1,5 @@
-"""Quantile Balancing (exact update, histogram, block statistics, distributed/micro-batch equivalence), the
-loss-free baseline, and the training hooks."""
+"""Quantile Balancing (exact update, its fixed point, histogram, block statistics, the drift correction,
+distributed/micro-batch equivalence), the loss-free baseline, and the training hooks."""
 
 import os
 
@@ -15,9 +15,12 @@ from kdamoe.model.configuration_kdamoe import KDAMoEConfig
 from kdamoe.model.moe import (
     KDAMoESparseMoeBlock,
     QuantileHistogram,
+    balanced_bias,
     loss_free_balance,
     max_violation,
     quantile_balance,
+    quantile_fixed_point,
+    selection_thresholds,
 )
 
 E, K, N = 16, 2, 2048
@@ -141,10 +144,27 @@ def test_histogram_quantile_within_one_bin_of_exact():
     assert (coarse.quantile(0.125) - torch.quantile(r, 0.125, dim=0)).abs().max() < 4.0 / 20
 
 
+def test_refined_histogram_reads_a_narrow_quantile():
+    """A router whose scores barely differ between tokens: the coarse read is off by a good part of their spread,
+    the second pass inside the bin found is within range / bins^2 (plus the gap between neighbouring values)."""
+    gen = torch.Generator().manual_seed(5)
+    r = 0.3 + 0.002 * torch.randn(20000, 4, generator=gen, dtype=torch.float64)
+    coarse = QuantileHistogram(4, 1000, -2.0, 2.0)
+    coarse.add(r)
+    fine = coarse.refine(0.125)
+    fine.add(r)
+    exact = torch.quantile(r, 0.125, dim=0)
+    assert (fine.quantile(0.125) - exact).abs().max() < 4.0 / 1000**2 + 1e-5
+    assert (coarse.quantile(0.125) - exact).abs().max() > 1e-4
+    assert torch.equal(fine.counts.sum(1), coarse.counts.sum(1))
+    with pytest.raises(ValueError, match="scalars or"):
+        QuantileHistogram(4, 10, torch.zeros(3), torch.ones(3))
+
+
 # ----------------------------------------------------------------------------------------------- block statistics
 
 
-def test_block_update_matches_exact_quantile_balance():
+def test_block_update_matches_the_exact_fixed_point():
     config = make_config()
     block = dyadic_block(config)
     x = dyadic_inputs((4, 64, 32), seed=1)
@@ -152,18 +172,103 @@ def test_block_update_matches_exact_quantile_balance():
     block.router.bias.copy_(bias0)
     _, logits, _ = block(x)
     stats = block.apply_balancing()
-    exact = quantile_balance(torch.sigmoid(logits.double()), bias0.double(), 2)
-    width = (bias0.max() - bias0.min() + 2.0).item() / 1000
-    assert (block.router.bias.double() - exact).abs().max() < width
-    assert abs(block.router.bias.double().mean().item()) < 1e-6
-    want_loads = loads_of(torch.sigmoid(logits.double()), bias0.double(), 2)
+    scores = torch.sigmoid(logits.double())
+    new = block.router.bias.double()
+    # no optimizer step: nothing drifted, so the update is the histogram read-out of the exact fixed point
+    torch.testing.assert_close(new, balanced_bias(scores, bias0, 2, config.quantile_iterations, 1000), rtol=0,
+                               atol=1e-7)
+    exact = quantile_fixed_point(scores, bias0.double(), 2, config.quantile_iterations)
+    assert (new - exact).abs().max() < 3e-3  # the two quantile definitions differ by a gap between thresholds
+    assert (loads_of(scores, new) - loads_of(scores, exact)).abs().max() <= 3
+    assert max_violation(loads_of(scores, new)) < 0.1 < max_violation(loads_of(scores, bias0.double()))
+    assert abs(new.mean().item()) < 1e-6
+    want_loads = loads_of(scores, bias0.double(), 2)  # the statistics report the routing with the old bias
     assert torch.equal(stats["loads"], want_loads)
     assert stats["max_vio"] == pytest.approx(max_violation(want_loads))
     assert stats["dead_experts"] == int((want_loads == 0).sum())
-    assert stats["bias_norm"] == pytest.approx(block.router.bias.double().norm().item())
+    assert stats["bias_norm"] == pytest.approx(new.norm().item())
     updated = block.router.bias.clone()
     assert block.apply_balancing() == {}  # statistics were reset: nothing pending, no change
     assert torch.equal(block.router.bias, updated)
+
+
+def skewed_block(seed=0, experts=E):
+    """A block with continuous weights whose router prefers some experts for every token (a shared input feature,
+    as early in training), so that its first batch routes onto a few experts."""
+    config = make_config(num_experts=experts, hidden_size=64)
+    block = KDAMoESparseMoeBlock(config).train()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        block.router.weight[:, 0] = torch.linspace(-2.0, 1.0, experts)
+    x = torch.randn(2, N // 2, 64, generator=gen)
+    x[..., 0] = 1.0
+    return block, x
+
+
+def routed_max_vio(block, x) -> float:
+    with torch.no_grad():
+        _, logits, _ = block(x)
+    return max_violation(loads_of(torch.sigmoid(logits.double()), block.router.bias.double()))
+
+
+def test_one_optimizer_step_balances_a_fixed_batch():
+    """Where the single quantile update needs about six alternations on a fixed batch, the block's update (the fixed
+    point, iterated on the step's own histograms) balances it in one optimizer step."""
+    block, x = skewed_block()
+    _, logits, _ = block(x)
+    scores = torch.sigmoid(logits.double())
+    assert max_violation(loads_of(scores, torch.zeros(E, dtype=torch.float64))) > 3.0
+    single = quantile_balance(scores, torch.zeros(E, dtype=torch.float64), K)
+    assert max_violation(loads_of(scores, single)) > 0.3
+    block.apply_balancing()
+    assert routed_max_vio(block, x) < 0.05
+
+
+def test_fixed_point_matches_independent_float64_reference():
+    """The textbook single update (numpy, float64) alternated to convergence and `quantile_fixed_point`'s four steps
+    reach the same balanced bias; so does the histogram read-out."""
+    scores = skewed_scores(torch.Generator().manual_seed(1))
+    s, b = scores.numpy(), np.zeros(E)
+    for _ in range(300):
+        cutoff = -np.sort(-(s + b), axis=1)[:, K]
+        b = np.array([np.quantile(cutoff - s[:, j], K / E) for j in range(E)])
+        b -= b.mean()
+    reference = torch.from_numpy(b)
+    assert torch.equal(loads_of(scores, reference), torch.full((E,), N * K // E))
+    zero = torch.zeros(E, dtype=torch.float64)
+    for new in (quantile_fixed_point(scores, zero, K, 4), balanced_bias(scores, zero, K, 4, 1000)):
+        assert (new - reference).abs().max() < 2e-3
+        assert max_violation(loads_of(scores, new)) < 0.03
+    assert max_violation(loads_of(scores, quantile_fixed_point(scores, zero, K, 1))) > 0.1  # one step is not enough
+
+
+def test_selection_thresholds_decide_the_selection():
+    gen = torch.Generator().manual_seed(4)
+    scores = skewed_scores(gen, 500)
+    bias = torch.randn(E, generator=gen, dtype=torch.float64) * 0.2
+    r = selection_thresholds(scores, bias, K)
+    picked = torch.zeros(500, E, dtype=torch.bool).scatter_(1, torch.topk(scores + bias, K, dim=1).indices, True)
+    assert torch.equal(bias > r, picked)
+    cutoff = torch.topk(scores + bias, K + 1, dim=1).values[:, K:]
+    torch.testing.assert_close(r[picked], (cutoff - scores)[picked])  # quantile_balance's r where j is picked
+    assert (r[~picked] >= (cutoff - scores)[~picked]).all()  # and never below it elsewhere
+
+
+def test_update_is_set_for_the_router_after_the_optimizer_step():
+    """An optimizer step that moves each expert's logit by more than its spread across tokens: the bias fitted to the
+    logits as they were routes the next forward onto a few experts; the block's update (the window's logits moved
+    by the step's change at the mean router input) balances it."""
+    block, x = skewed_block(seed=1)
+    _, logits, _ = block(x)
+    stale = balanced_bias(torch.sigmoid(logits.double()), block.router.bias, K, 4, 1000)
+    with torch.no_grad():  # the step: a token-independent change of every expert's logit
+        block.router.weight[:, 0] += torch.linspace(1.0, -1.0, E)
+    block.apply_balancing()
+    assert routed_max_vio(block, x) < 0.05
+    block.router.bias.copy_(stale)
+    assert routed_max_vio(block, x) > 1.0
 
 
 def test_micro_batches_equal_one_big_batch():

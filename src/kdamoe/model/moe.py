@@ -430,6 +430,60 @@ def quantile_balance(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> to
     return _centre(new).to(bias.dtype)
 
 
+def selection_thresholds(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.Tensor:
+    """`r [N, E]` float64 with token i picking expert j iff `bias_j > r_ij`: `r_ij` = the k-th largest
+    `scores_il + bias_l` over the other experts `l != j`, minus `scores_ij`. For a token that picks j this is
+    `quantile_balance`'s `c_i - scores_ij`; for the others `c_i` (the (k+1)-th largest of all) can lie below it,
+    which makes that update undershoot for an underloaded expert. The k/E quantile of `r_{:, j}` balances expert j
+    exactly while the other biases stay."""
+    s = scores.double()
+    values, index = torch.topk(s + bias.double(), top_k + 1, dim=-1)
+    picked = torch.zeros_like(s, dtype=torch.bool).scatter_(1, index[:, :top_k], True)
+    return torch.where(picked, values[:, top_k:], values[:, top_k - 1 : top_k]) - s
+
+
+def quantile_fixed_point(scores: torch.Tensor, bias: torch.Tensor, top_k: int, iterations: int) -> torch.Tensor:
+    """Exact float64 counterpart of the block's Quantile Balancing update: `iterations` times, every expert's bias
+    becomes the k/E quantile of its `selection_thresholds` (linear interpolation), mean-centred. One step balances
+    each expert given the others; repeating settles how the cutoffs move with the bias (three steps take a batch
+    routed onto a few experts to MaxVio of a few hundredths). `scores [N, E]`, `bias [E]`; returns `[E]` in
+    `bias.dtype`."""
+    if scores.dim() != 2 or bias.shape != (scores.shape[1],):
+        raise ValueError(f"scores must be [N, E] and bias [E], got {tuple(scores.shape)} and {tuple(bias.shape)}")
+    num_experts = scores.shape[1]
+    if not 0 < top_k < num_experts:
+        raise ValueError(f"top_k must lie in [1, {num_experts - 1}], got {top_k}")
+    new = bias.double()
+    for _ in range(iterations):
+        new = _centre(torch.quantile(selection_thresholds(scores, new, top_k), top_k / num_experts, dim=0))
+    return new.to(bias.dtype)
+
+
+def balanced_bias(scores: torch.Tensor, bias: torch.Tensor, top_k: int, iterations: int, num_bins: int,
+                  token_mask: torch.Tensor | None = None, reduce=None) -> torch.Tensor:
+    """`quantile_fixed_point` with the quantiles read from histograms, so that the window is a sum: `reduce(counts)`
+    (e.g. an all-reduce) sums each histogram's int64 counts across ranks in place before it is read. Each step reads
+    the k/E quantile twice, from `num_bins` bins over `[min(bias) - 1, max(bias) + 1]` (which holds every threshold,
+    since scores lie in (0, 1)) and then from `num_bins` bins inside the bin found: within `span / num_bins**2` of
+    the exact quantile, finer than the spread of a router whose scores barely differ between tokens. Only the rows
+    where `token_mask [N]` is True count. On the device, no host synchronisation; returns `[E]` float64."""
+    q = top_k / scores.shape[1]
+    new = bias.double()
+    for _ in range(iterations):
+        r = selection_thresholds(scores, new, top_k)
+        coarse = _filled(QuantileHistogram(scores.shape[1], num_bins, new.min() - 1.0, new.max() + 1.0), r,
+                         token_mask, reduce)
+        new = _centre(_filled(coarse.refine(q), r, token_mask, reduce).quantile(q))
+    return new
+
+
+def _filled(histogram: "QuantileHistogram", r: torch.Tensor, token_mask, reduce) -> "QuantileHistogram":
+    histogram.add(r, token_mask)
+    if reduce is not None:
+        reduce(histogram.counts)
+    return histogram
+
+
 def loss_free_balance(loads: torch.Tensor, bias: torch.Tensor, rate: float) -> torch.Tensor:
     """Sign-step baseline: `bias_j + rate * sign(mean(loads) - loads_j)`; `loads [E]`, returns `[E]`."""
     if loads.shape != bias.shape:
@@ -450,10 +504,11 @@ def max_violation(loads: torch.Tensor) -> float:
 class QuantileHistogram:
     """Per-expert histograms of values in a fixed range `[low, high]`, for quantiles over large token windows.
 
-    `add(r [N, E])` bins every value (clamped into the range) into `num_bins` equal bins per expert; `counts`
-    (int64 `[E, num_bins]`) is the whole state, so windows add up by summing counts (micro-batches, or an
-    all-reduce across ranks). `quantile(q)` reads the q-quantile per expert by linear interpolation inside the
-    bin where the cumulative count reaches `q * total`; it lies within one bin width of the exact quantile.
+    `low`, `high`: scalars or `[E]` (a range per expert). `add(r [N, E])` bins every value (clamped into the range)
+    into `num_bins` equal bins per expert; `counts` (int64 `[E, num_bins]`) is the whole state, so windows add up by
+    summing counts (micro-batches, or an all-reduce across ranks). `quantile(q)` reads the q-quantile per expert by
+    linear interpolation inside the bin where the cumulative count reaches `q * total`; it lies within one bin width
+    of the exact quantile. `refine(q)` gives the histogram of that bin, for a second pass `num_bins` times finer.
     """
 
     def __init__(self, num_experts: int, num_bins: int, low: torch.Tensor | float, high: torch.Tensor | float,
@@ -462,6 +517,9 @@ class QuantileHistogram:
         high = torch.as_tensor(high, dtype=torch.float64, device=device)
         if num_bins < 1:
             raise ValueError(f"num_bins must be positive, got {num_bins}")
+        if low.shape not in ((), (num_experts,)) or high.shape != low.shape:
+            raise ValueError(f"low and high must be scalars or [{num_experts}], got {tuple(low.shape)} and "
+                             f"{tuple(high.shape)}")
         self.num_bins = num_bins
         self.low, self.high = low, high
         self.width = (high - low) / num_bins
@@ -476,8 +534,9 @@ class QuantileHistogram:
         ones = torch.ones_like(flat) if token_mask is None else token_mask.long()[:, None].expand_as(flat)
         self.counts.view(-1).scatter_add_(0, flat.reshape(-1), ones.reshape(-1))
 
-    def quantile(self, q: float) -> torch.Tensor:
-        """q-quantile per expert, `[E]` float64."""
+    def _locate(self, q: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per expert, the bin `[E, 1]` where the cumulative count reaches `q * total` and the fraction `[E, 1]` of
+        that bin's count below the target."""
         if not 0.0 <= q <= 1.0:
             raise ValueError(f"q must lie in [0, 1], got {q}")
         counts = self.counts.double()
@@ -486,8 +545,23 @@ class QuantileHistogram:
         b = torch.searchsorted(cum, target).clamp_(max=self.num_bins - 1)  # first bin with cum >= target
         below = torch.where(b > 0, cum.gather(1, (b - 1).clamp(min=0)), torch.zeros_like(target))
         inside = counts.gather(1, b)
-        frac = torch.where(inside > 0, (target - below) / inside.clamp(min=1), torch.zeros_like(target))
-        return (self.low + (b + frac) * self.width).squeeze(1)
+        return b, torch.where(inside > 0, (target - below) / inside.clamp(min=1), torch.zeros_like(target))
+
+    def _edge(self, position: torch.Tensor) -> torch.Tensor:
+        """`low + position * width` per expert, for `position [E, 1]` in bins; returns `[E]`."""
+        return (self.low.unsqueeze(-1) + position * self.width.unsqueeze(-1)).squeeze(1)
+
+    def quantile(self, q: float) -> torch.Tensor:
+        """q-quantile per expert, `[E]` float64."""
+        b, frac = self._locate(q)
+        return self._edge(b + frac)
+
+    def refine(self, q: float) -> "QuantileHistogram":
+        """An empty histogram with the same number of bins spanning, per expert, the bin that holds the q-quantile.
+        Adding the same values to it reads the quantile within `width / num_bins`: values below or above that bin
+        land in its first or last bin, so every cumulative count at an inner edge stays exact."""
+        b, _ = self._locate(q)
+        return QuantileHistogram(self.counts.shape[0], self.num_bins, self._edge(b), self._edge(b + 1))
 
 
 class KDAMoESparseMoeBlock(nn.Module):
@@ -496,7 +570,8 @@ class KDAMoESparseMoeBlock(nn.Module):
     `forward(hidden_states [B, T, D], token_mask [B, T] bool or None) -> (out [B, T, D], router_logits [B*T, E]
     fp32, aux_loss or None)`. In training mode with grad enabled (and outside a backward pass, so the recompute of
     non-reentrant activation checkpointing is not counted twice), balancing statistics of the real tokens
-    (`token_mask` True) accumulate until `apply_balancing()`.
+    (`token_mask` True) accumulate until `apply_balancing()`: the loads, and for Quantile Balancing the router
+    logits (`[tokens, E]` fp32, kept until the optimizer step) and the sum of the router inputs (`[D]`).
     """
 
     def __init__(self, config):
@@ -507,6 +582,7 @@ class KDAMoESparseMoeBlock(nn.Module):
         self.loss_free_update_rate = config.loss_free_update_rate
         self.router_aux_loss_coef = config.router_aux_loss_coef
         self.quantile_num_bins = config.quantile_num_bins
+        self.quantile_iterations = config.quantile_iterations
         self.router = KDAMoERouter(config)
         self.experts = KDAMoEExperts(config)
         self.shared_experts = (
@@ -514,7 +590,9 @@ class KDAMoESparseMoeBlock(nn.Module):
             if config.num_shared_experts > 0 else None
         )
         self._loads = None  # int64 [E] token counts of the pending window
-        self._histogram = None  # QuantileHistogram of r = cutoff - score (quantile balancing)
+        self._logits = None  # (router logits [M, E] fp32, real-token mask [M]) of the window (quantile balancing)
+        self._input_sum = None  # fp32 [D]: sum of the window's real router inputs (quantile balancing)
+        self._weight_dtype = torch.float32  # the router weight's dtype in the training forwards (FSDP may cast it)
 
     def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None):
         if hidden_states.dim() != 3:
@@ -524,10 +602,10 @@ class KDAMoESparseMoeBlock(nn.Module):
                 f"token_mask must be [B, T] = {tuple(hidden_states.shape[:2])}, got {tuple(token_mask.shape)}"
             )
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
-        logits, scores, top_k_index, top_k_weights, cutoff = self.router(x)
+        logits, scores, top_k_index, top_k_weights, _ = self.router(x)
         mask = None if token_mask is None else token_mask.reshape(-1).to(torch.bool)
         if self.training and torch.is_grad_enabled() and _outside_backward():
-            self._accumulate(scores, top_k_index, cutoff, mask)
+            self._accumulate(x, logits, top_k_index, mask)
         out = self.experts(x, top_k_index, top_k_weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
@@ -548,18 +626,23 @@ class KDAMoESparseMoeBlock(nn.Module):
         return self.router_aux_loss_coef * self.num_experts * (f * p).sum()
 
     @torch.no_grad()
-    def _accumulate(self, scores, top_k_index, cutoff, mask) -> None:
-        """Add the batch to the pending statistics (masks as 0/1 counts: no host synchronisation)."""
+    def _accumulate(self, x, logits, top_k_index, mask) -> None:
+        """Add the batch (router inputs `x [N, D]`, `logits [N, E]`) to the pending statistics (masks as 0/1 counts
+        and weights: no host synchronisation)."""
         if self._loads is None:
-            self._loads = torch.zeros(self.num_experts, dtype=torch.int64, device=scores.device)
+            self._loads = torch.zeros(self.num_experts, dtype=torch.int64, device=logits.device)
         ones = torch.ones_like(top_k_index) if mask is None else mask.long()[:, None].expand_as(top_k_index)
         self._loads.scatter_add_(0, top_k_index.reshape(-1), ones.reshape(-1))
-        if self.balancing == "quantile" and cutoff is not None:
-            if self._histogram is None:
-                bias = self.router.bias.double()
-                self._histogram = QuantileHistogram(self.num_experts, self.quantile_num_bins, bias.min() - 1.0,
-                                                    bias.max() + 1.0)
-            self._histogram.add(cutoff[:, None] - scores, mask)
+        if self.balancing == "quantile" and self.top_k < self.num_experts:
+            real = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device) if mask is None else mask
+            with torch.autocast(x.device.type, enabled=False):
+                input_sum = real.float() @ x.detach().float()
+            logits = logits.detach()
+            if self._logits is not None:
+                logits, real = torch.cat([self._logits[0], logits]), torch.cat([self._logits[1], real])
+                input_sum = input_sum + self._input_sum
+            self._logits, self._input_sum = (logits, real), input_sum
+            self._weight_dtype = self.router.weight.dtype
 
     @torch.no_grad()
     def apply_balancing(self) -> dict:
@@ -575,27 +658,44 @@ class KDAMoESparseMoeBlock(nn.Module):
         the router's device (`summary_to_host` reads those of every layer in one copy)."""
         if self._loads is None:
             return {}
-        loads, histogram = self._loads, self._histogram
-        self._loads = self._histogram = None
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            state = loads if histogram is None else torch.cat([loads, histogram.counts.view(-1)])
-            torch.distributed.all_reduce(state)
-            loads = state[: self.num_experts]
-            if histogram is not None:
-                histogram.counts = state[self.num_experts:].view_as(histogram.counts)
+        loads, logits, input_sum = self._loads, self._logits, self._input_sum
+        self._loads = self._logits = self._input_sum = None
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if distributed:
+            torch.distributed.all_reduce(loads)
         bias = self.router.bias
         counted = loads.sum() > 0  # a step whose tokens were all masked keeps the bias (decided on the device)
-        if histogram is not None:
-            bias.copy_(torch.where(counted, _centre(histogram.quantile(self.top_k / self.num_experts)), bias))
+        if logits is not None:
+            logits, real = logits
+            scores = torch.sigmoid(logits + self._logit_drift(logits, real, input_sum, loads, distributed))
+            new = balanced_bias(scores, bias, self.top_k, self.quantile_iterations, self.quantile_num_bins, real,
+                                torch.distributed.all_reduce if distributed else None)
+            bias.copy_(torch.where(counted, new, bias))
         elif self.balancing == "loss_free":
             bias.copy_(torch.where(counted, loss_free_balance(loads, bias.double(), self.loss_free_update_rate), bias))
         mean = loads.double().mean()
         return {
-            "loads": loads,
+            "loads": loads,  # as routed, with the bias before this update
             "max_vio": torch.where(counted, (loads.max() - mean) / mean.clamp_min(1e-30), 0.0),
             "dead_experts": (loads == 0).sum(),
             "bias_norm": bias.double().norm(),
         }
+
+    def _logit_drift(self, logits, real, input_sum, loads, distributed: bool) -> torch.Tensor:
+        """`[E]` fp32: how the optimizer step just taken moved each expert's logit at the window's mean router input,
+        `W_now · mean(x) - mean(logits)` over the real tokens (the logits were computed before the step). Adding it to
+        the window's logits scores them as the updated router will route the next batch: early in training the
+        router's own update moves an expert's logit by more than its spread across tokens, so a bias fitted to the
+        logits as they were is stale before it is used. Exact when the inputs differ little between tokens, which is
+        when it matters."""
+        sums = torch.cat([input_sum.double(), real.double() @ logits.double()])
+        if distributed:
+            torch.distributed.all_reduce(sums)
+        count = (loads.sum() / self.top_k).clamp_min(1).double()
+        mean_input, mean_logit = sums[: input_sum.numel()] / count, sums[input_sum.numel():] / count
+        weight = self.router.weight.detach()
+        weight = weight.full_tensor() if hasattr(weight, "full_tensor") else weight  # an FSDP2 shard
+        return (weight.to(self._weight_dtype).double() @ mean_input - mean_logit).float()
 
 
 def _outside_backward() -> bool:
@@ -622,9 +722,12 @@ __all__ = [
     "KDAMoERouter",
     "KDAMoESparseMoeBlock",
     "QuantileHistogram",
+    "balanced_bias",
     "loss_free_balance",
     "max_violation",
     "quantile_balance",
+    "quantile_fixed_point",
+    "selection_thresholds",
     "situ_glu",
     "swiglu",
 ]
