@@ -544,8 +544,9 @@ def _device_and_dtype(settings: EvalSettings) -> tuple[torch.device, torch.dtype
 
 
 def evaluate(path: str | Path, output_dir: str | Path, settings: EvalSettings | None = None,
-             progress: bool = True) -> dict:
-    """Run every part on the model folder `path`; write `output_dir/eval.json` and the plots; return the report."""
+             progress: bool = True, plots: bool = True) -> dict:
+    """Run every part on the model folder `path`; write `output_dir/eval.json` and (unless `plots=False`, which
+    needs no matplotlib) the plots; return the report."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path, output_dir = Path(path), Path(output_dir)
@@ -591,7 +592,7 @@ def evaluate(path: str | Path, output_dir: str | Path, settings: EvalSettings | 
                              "torch": torch.__version__, "python": sys.version.split()[0],
                              "transformers": __import__("transformers").__version__}
     output_dir.mkdir(parents=True, exist_ok=True)
-    report["plots"] = write_plots(report, output_dir)
+    report["plots"] = write_plots(report, output_dir) if plots else {}
     report["elapsed_seconds"] = time.perf_counter() - started
     with open(output_dir / "eval.json", "w") as f:
         json.dump(report, f, indent=2, default=_json_default)
