@@ -48,8 +48,8 @@ Per row and library:
   `sync_counter_check` in the JSON is the count for one `.item()`, which must be 1;
 - ratios ours/fla: speed = fla step time / ours, memory = ours peak / fla peak.
 An exception in one library (out of memory included) is recorded as that cell's `error`; memory is freed and the
-run goes on. The JSON is rewritten after every row; a markdown table is printed last. `--profile ROW` writes a
-torch.profiler table of one step of that row per library (GPU kernels by total CUDA time, then operators by
+run goes on. The JSON is rewritten after every row; a markdown table is printed last. `--profile ROWS` writes a
+torch.profiler table of one step of each of those rows per library (GPU kernels by total CUDA time, then operators by
 self CUDA time) next to `--out`.
 """
 
@@ -304,7 +304,7 @@ def run_case(row: Row, lib: str, args, s: dict, device, dtype, fla_models) -> di
     if cuda:
         result["syncs_forward_backward"] = count_syncs(case.forward_backward)
         result["syncs_per_step"] = result["syncs_forward_backward"] + count_syncs(case.update)
-    if args.profile == row.name:
+    if row.name in args.profile:
         path = args.out.parent / f"{args.out.stem}_profile_{row.name}_{lib}.txt"
         profile_step(case, path, f"{lib}, row {row.name} ({row.batch}x{row.seq_len}), median step {ms:.1f} ms")
         result["profile"] = str(path)
@@ -403,7 +403,8 @@ def parse_args():
     p.add_argument("--long-warmup", type=int, default=1, help="warm-up steps of the long rows")
     p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H200: 989)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/model_h200.json"), help="results JSON")
-    p.add_argument("--profile", metavar="ROW", help="write a torch.profiler table of one step of this row")
+    p.add_argument("--profile", metavar="ROWS", default="",
+                   help="comma-separated rows: write a torch.profiler table of one step of each per library")
     p.add_argument("--tiny", action="store_true", help="a few-layer tiny config on whatever device is present")
     p.add_argument("--kda-states-limit-gib", type=float, default=None,
                    help="ours: keep a KDA call's per-chunk states for the backward up to this many GiB (the model's "
@@ -418,8 +419,9 @@ def parse_args():
         p.error(f"unknown rows {unknown}; known: {names}")
     if unknown := sorted(set(args.libs) - {"ours", "fla"}):
         p.error(f"unknown libs {unknown}; known: ours, fla")
-    if args.profile is not None and args.profile not in args.rows:
-        p.error(f"--profile {args.profile} is not among --rows")
+    args.profile = [r.strip() for r in args.profile.split(",") if r.strip()]
+    if unknown := sorted(set(args.profile) - set(args.rows)):
+        p.error(f"--profile {unknown} not among --rows")
     return args
 
 

@@ -40,8 +40,8 @@ if [ "${MODEL:-0}" = 1 ]; then
   [ -f .gpu/fla_autotune.tgz ] && mkdir -p ~/.triton/cache && tar xzf .gpu/fla_autotune.tgz -C ~/.triton/cache
   if [ "${MODEL_TEST_S:-420}" != 0 ]; then
     echo "== CUDA tests of the model's fused path, torch.compile, offsets past 2^31"
-    timeout "${MODEL_TEST_S:-420}" python3 -m pytest -q tests/test_model_fused.py tests/test_fused_ops.py \
-      tests/test_attnres.py tests/test_loss.py tests/test_compile.py tests/test_large_offsets.py 2>&1 | tail -8
+    timeout "${MODEL_TEST_S:-420}" python3 -m pytest -q ${MODEL_TESTS:-tests/test_model_fused.py tests/test_fused_ops.py \
+      tests/test_attnres.py tests/test_loss.py tests/test_compile.py tests/test_large_offsets.py} 2>&1 | tail -8
   fi
   if [ "${MODEL_BENCH_S:-330}" != 0 ]; then
     echo "== bench_model (ours against fla's KDAForCausalLM, one process)"
