@@ -37,7 +37,7 @@ from .model_inputs import (
     is_safetensors_error,
     unreadable_weights,
 )
-from .moe import KDAMoEExperts, KDAMoEMLP, KDAMoERouter, KDAMoESparseMoeBlock, summary_to_host
+from .moe import KDAMoEExperts, KDAMoEMLP, KDAMoERouter, KDAMoESparseMoeBlock, apply_balancing, summary_to_host
 from .short_conv import short_conv_silu, short_conv_state
 
 # transformers renamed the cache field of model outputs from `past_key_values` to `cache` (5.2x); support both.
@@ -508,7 +508,8 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
         statistics `{layer_index: {"loads", "max_vio", "dead_experts", "bias_norm"}}`, read to the host in one copy;
         `to_host=False` leaves them as 0-d tensors on the device (no host synchronisation: the update itself is
         decided on the device; `moe.summary_to_host` reads them later)."""
-        stats = {i: layer.ffn.apply_balancing_on_device() for i, layer in enumerate(self.model.layers) if layer.is_moe}
+        moe_layers = [i for i, layer in enumerate(self.model.layers) if layer.is_moe]
+        stats = dict(zip(moe_layers, apply_balancing([self.model.layers[i].ffn for i in moe_layers])))
         if to_host:
             pending = [i for i, s in stats.items() if s]  # a layer without pending statistics reports {}
             stats.update(zip(pending, summary_to_host([stats[i] for i in pending])))
