@@ -732,8 +732,8 @@ def _main(argv: list[str] | None) -> None:
     print(f"wrote {Path(output_dir) / 'eval.json'} and {len(report['plots'])} plots")
 
 
-__all__ = ["LM_EVAL_TASK_DIR", "EvalSettings", "attnres_source_layout", "cache_bytes", "evaluate", "main",
-           "passkey_example", "token_byte_lengths"]
+__all__ = ["LM_EVAL_TASK_DIR", "EvalSettings", "Resources", "attnres_source_layout", "cache_bytes", "evaluate", "main",
+           "next_token_losses", "passkey_example", "token_byte_lengths"]
 
 if __name__ == "__main__":
     main()
