@@ -182,11 +182,13 @@ def test_next_token_losses_in_chunks_equal_the_full_logits(loaded):
 
 
 def test_max_context_caps_every_part_and_reports_resources(model_dir, tmp_path):
-    """--max-context 128 on a model trained on rows of 64: the default lengths scale with 64 and stop at 128; every
-    part reports its seconds (and no peak memory: on CUDA only)."""
-    settings = ev.EvalSettings(max_context=2 * TRAIN_LEN, rows=2, position_rows=1, position_bins=4,
-                               passkey_depths=[0.5], passkey_trials=1, decode_tokens=2, device="cpu")
-    out = ev.evaluate(model_dir, tmp_path / "eval", settings, progress=False, plots=False)
+    """kdamoe-eval --max-context 128 on a model trained on rows of 64: the default lengths scale with 64 and stop at
+    128; every part reports its seconds (and no peak memory: on CUDA only); --no-plots writes eval.json alone."""
+    ev.main([str(model_dir), "--output-dir", str(tmp_path / "eval"), "--max-context", str(2 * TRAIN_LEN), "--rows", "2",
+             "--position-rows", "1", "--position-bins", "4", "--passkey-depths", "0.5", "--passkey-trials", "1",
+             "--decode-tokens", "2", "--device", "cpu", "--no-progress", "--no-plots"])
+    assert sorted(p.name for p in (tmp_path / "eval").iterdir()) == ["eval.json"]
+    out = json.loads((tmp_path / "eval" / "eval.json").read_text())
     s = out["settings"]
     assert s["position_length"] == 2 * TRAIN_LEN == out["length_extrapolation"]["length"]
     assert s["passkey_lengths"] == [TRAIN_LEN // 2, TRAIN_LEN, 2 * TRAIN_LEN] == out["passkey"]["target_lengths"]

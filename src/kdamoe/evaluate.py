@@ -711,6 +711,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=d.dtype, help="auto: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-plots", action="store_true", help="write eval.json only (no matplotlib needed)")
     return p
 
 
@@ -722,7 +723,8 @@ def main(argv: list[str] | None = None) -> None:
 def _main(argv: list[str] | None) -> None:
     args = vars(build_parser().parse_args(argv))
     path, output_dir, quiet = args.pop("path"), args.pop("output_dir"), args.pop("no_progress")
-    report = evaluate(path, output_dir, EvalSettings(**args), progress=not quiet)
+    plots = not args.pop("no_plots")
+    report = evaluate(path, output_dir, EvalSettings(**args), progress=not quiet, plots=plots)
     ppl, bpb, pk = report["perplexity"], report["bits_per_byte"], report["passkey"]
     print(f"perplexity {ppl['value']:.3f} (loss {ppl['loss']:.4f} nats/token over {ppl['tokens']} tokens), "
           f"{bpb['value']:.4f} bits/byte; passkey accuracy {pk['mean_accuracy']:.2f}")
