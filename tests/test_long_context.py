@@ -9,7 +9,7 @@ tests/test_model.py does not cover (packed prefills followed by cached decoding,
 softplus gate with Full AttnRes), and per-document attention against the block-diagonal mask.
 
 The uncached forward routes the compared token to the experts the cached step chose: top-k is discontinuous, so a
-rounding difference between the two paths can flip a near-tie (the check asserts any flip it pins is one).
+rounding difference between the two paths can flip a near-tie (the check asserts that any choice it pins was one).
 """
 
 import contextlib
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from triton_interpreter import DEV, ON_GPU, gpu_only
+from triton_interpreter import DEV, gpu_only
 
 import kdamoe
 from conftest import tiny_config
