@@ -4,6 +4,7 @@
     python benchmarks/bench_model.py --rows dense,attnres --steps 20 --profile dense
     python benchmarks/bench_model.py --rows long_1m --libs ours
     python benchmarks/bench_model.py --tiny --libs ours                             # smoke run on any device
+    python benchmarks/bench_model.py --rows dense --libs ours --alt before=alt/before  # A/B of two model folders
 
 Models (issue 27). fla: `KDAForCausalLM(fla.models.KDAConfig(hidden_size=1024, num_hidden_layers=12,
 head_dim=128, num_heads=8, vocab_size=32000, safe_gate=True, lower_bound=-5.0, intermediate_size=2816
@@ -57,11 +58,16 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.machinery
 import importlib.metadata
+import importlib.util
 import json
+import os
 import statistics
 import subprocess
+import sys
 import time
+import types
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,20 +115,35 @@ def sizes(tiny: bool) -> dict:
                 moe_layers=12, experts=64, top_k=8, expert_inter=384, attn_heads=8, kv_heads=2)
 
 
-def ours_config(row: Row, s: dict) -> kdamoe.KDAMoEConfig:
+def ours_config(row: Row, s: dict, ours=kdamoe) -> kdamoe.KDAMoEConfig:
+    """The twin (or the hybrid MoE) as a config of `ours` (kdamoe, or an `--alt` model folder)."""
     common = dict(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["inter"],
                   kda_num_heads=s["heads"], kda_head_dim=s["head_dim"], kda_gate="bounded",
                   kda_gate_lower_bound=-5.0, residual_mode=row.residual, attnres_block_layers=s["block_layers"],
                   tie_word_embeddings=False, fuse_linear_cross_entropy=True)  # as fla's training loss
     if row.moe:  # the config's default layer pattern: 3 KDA : 1 attention, layer 0 dense, the rest MoE
-        return kdamoe.KDAMoEConfig(
+        return ours.KDAMoEConfig(
             num_hidden_layers=s["moe_layers"],
             num_attention_heads=s["attn_heads"], num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"],
             num_experts=s["experts"], num_experts_per_tok=s["top_k"], moe_intermediate_size=s["expert_inter"],
             num_shared_experts=1, **common)
     n = s["layers"]
-    return kdamoe.KDAMoEConfig(num_hidden_layers=n, layer_types=["linear_attention"] * n,
+    return ours.KDAMoEConfig(num_hidden_layers=n, layer_types=["linear_attention"] * n,
                                mlp_layer_types=["dense"] * n, **common)
+
+
+def load_alt(name: str, path: str) -> types.SimpleNamespace:
+    """`KDAMoEConfig` and `KDAMoEForCausalLM` of the model folder at `path`, imported as a package of its own."""
+    package = "kdamoe_alt_" + name
+    spec = importlib.machinery.ModuleSpec(package, None, is_package=True)
+    spec.submodule_search_locations = [os.path.abspath(path)]
+    sys.modules[package] = importlib.util.module_from_spec(spec)
+    return types.SimpleNamespace(
+        KDAMoEConfig=importlib.import_module(f"{package}.configuration_kdamoe").KDAMoEConfig,
+        KDAMoEForCausalLM=importlib.import_module(f"{package}.modeling_kdamoe").KDAMoEForCausalLM)
+
+
+OURS = {"ours": kdamoe}  # library name -> namespace with KDAMoEConfig and KDAMoEForCausalLM (`--alt` adds)
 
 
 def fla_config(row: Row, s: dict, fla_models):
@@ -141,7 +162,7 @@ def make_batch(row: Row, lib: str, vocab: int, device: torch.device) -> dict:
     if row.doc_len is not None:
         position_ids = (torch.arange(row.seq_len) % row.doc_len).expand(row.batch, -1).contiguous()
         labels[position_ids == 0] = -100
-        if lib == "ours":
+        if lib in OURS:
             extra["position_ids"] = position_ids
         else:  # fla's varlen interface: one flat row and the document boundaries
             ids, labels = ids.reshape(1, -1), labels.reshape(1, -1)
@@ -159,7 +180,7 @@ def step_flops(model, row: Row, lib: str) -> float:
     embed = model.get_input_embeddings().weight
     if embed is not model.get_output_embeddings().weight:
         total -= embed.numel()
-    if lib == "ours":
+    if lib in OURS:
         routed = sum(p.numel() for n, p in params.items() if ".ffn.experts." in n)
         total -= routed * (1 - config.num_experts_per_tok / config.num_experts)
         kda_layers = config.layer_types.count("linear_attention")
@@ -182,8 +203,8 @@ class Case:
     def __init__(self, row: Row, lib: str, s: dict, device: torch.device, dtype: torch.dtype, fla_models):
         torch.manual_seed(0)
         with device:
-            if lib == "ours":
-                self.model = kdamoe.KDAMoEForCausalLM(ours_config(row, s))
+            if lib in OURS:
+                self.model = OURS[lib].KDAMoEForCausalLM(ours_config(row, s, OURS[lib]))
             else:
                 self.model = fla_models.KDAForCausalLM(fla_config(row, s, fla_models))
         if row.moe and not any(".ffn.experts." in name for name, _ in self.model.named_parameters()):
@@ -206,7 +227,7 @@ class Case:
     def update(self):
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.lib == "ours":
+        if self.lib in OURS:
             self.model.apply_load_balancing(to_host=False)  # statistics kept on the device: no host round trip
 
     def step(self):
@@ -354,7 +375,8 @@ def markdown(records: list[dict], libs: list[str]) -> str:
     cols = [("step ms", "step_ms", "{:.1f}"), ("tokens/s", "tokens_per_s", "{:,.0f}"), ("MFU", "mfu", "{:.1%}"),
             ("peak GiB", "peak_gib", "{:.1f}"), ("syncs/step", "syncs_per_step", "{:d}")]
     head = ["row", "tokens"] + [f"{lib} {name}" for name, _, _ in cols for lib in libs]
-    if len(libs) == 2:
+    paired = "ours" in libs and "fla" in libs
+    if paired:
         head += ["ours/fla speed", "ours/fla memory"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     notes = []
@@ -362,7 +384,7 @@ def markdown(records: list[dict], libs: list[str]) -> str:
         cells = [rec["row"], f"{rec['batch']}x{rec['seq_len']}"]
         for _, key, fmt in cols:
             cells += [cell(rec["results"].get(lib, {"skipped": ""}), key, fmt) for lib in libs]
-        if len(libs) == 2:
+        if paired:
             cells += [f"{rec['ratios'][k]:.2f}x" if k in rec["ratios"] else "—" for k in ("speed", "memory")]
         lines.append("| " + " | ".join(cells) + " |")
         for lib in libs:
@@ -396,7 +418,11 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     names = [r.name for r in rows_for(False)]
     p.add_argument("--rows", default=",".join(names), help=f"comma-separated subset of {','.join(names)}")
-    p.add_argument("--libs", default="ours,fla", help="ours,fla or one of them")
+    p.add_argument("--libs", default="ours,fla", help="ours,fla or one of them (--alt adds its names)")
+    p.add_argument("--alt", action="append", default=[], metavar="NAME=PATH",
+                   help="also run the model of another copy of the model folder at PATH as library NAME, for an A/B "
+                        "of two versions in one run (e.g. `git archive REV src/kdamoe/model | tar -x -C alt/NAME "
+                        "--strip-components=3`); repeatable")
     p.add_argument("--steps", type=int, default=None, help="timed steps per row (10; 3 with --tiny)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps per row (3; 1 with --tiny)")
     p.add_argument("--long-steps", type=int, default=None, help="timed steps of the long rows (3; 2 with --tiny)")
@@ -419,6 +445,12 @@ def parse_args():
         p.error(f"unknown rows {unknown}; known: {names}")
     if unknown := sorted(set(args.libs) - {"ours", "fla"}):
         p.error(f"unknown libs {unknown}; known: ours, fla")
+    for alt in args.alt:
+        name, sep, path = alt.partition("=")
+        if not sep or not name.isidentifier() or name in ("ours", "fla") or not Path(path, "modeling_kdamoe.py").is_file():
+            p.error(f"--alt {alt!r}: expected NAME=PATH, PATH a model folder holding modeling_kdamoe.py")
+        OURS[name] = load_alt(name, path)
+        args.libs.append(name)
     args.profile = [r.strip() for r in args.profile.split(",") if r.strip()]
     if unknown := sorted(set(args.profile) - set(args.rows)):
         p.error(f"--profile {unknown} not among --rows")

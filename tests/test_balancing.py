@@ -192,6 +192,32 @@ def test_block_update_matches_the_exact_fixed_point():
     assert torch.equal(block.router.bias, updated)
 
 
+@pytest.mark.parametrize("group_elements", [1 << 26, 1])
+def test_blocks_updated_together_equal_each_updated_alone(monkeypatch, group_elements):
+    """`apply_balancing(blocks)` batches the layers' updates (split into groups when they would not fit): the same
+    biases and statistics as one block at a time, for quantile and loss_free blocks in one call."""
+    import copy
+
+    from kdamoe.model import moe
+
+    monkeypatch.setattr(moe, "BALANCE_GROUP_ELEMENTS", group_elements)
+    blocks = [dyadic_block(make_config(), seed=i) for i in range(3)]
+    blocks.append(dyadic_block(make_config(router_balancing="loss_free", loss_free_update_rate=0.01), seed=3))
+    x = dyadic_inputs((4, 32, 32), seed=5)
+    for block in blocks:
+        block(x)
+    alone = [copy.deepcopy(block) for block in blocks]
+    together = moe.summary_to_host(moe.apply_balancing(blocks))
+    for block, single, stats in zip(blocks, alone, together):
+        want = single.apply_balancing()
+        torch.testing.assert_close(block.router.bias, single.router.bias, rtol=0, atol=1e-12)
+        assert torch.equal(stats["loads"], want["loads"]) and stats["dead_experts"] == want["dead_experts"]
+        assert stats["max_vio"] == pytest.approx(want["max_vio"]) and stats["bias_norm"] == pytest.approx(
+            want["bias_norm"])
+    assert not torch.equal(blocks[0].router.bias, blocks[1].router.bias)
+    assert moe.apply_balancing(blocks) == [{}] * 4
+
+
 def skewed_block(seed=0, experts=E):
     """A block with continuous weights whose router prefers some experts for every token (a shared input feature,
     as early in training), so that its first batch routes onto a few experts."""

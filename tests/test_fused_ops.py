@@ -206,6 +206,23 @@ def test_short_conv_kernels_match_float64(small_tiles, B, T, lengths, W, C):
 
 
 @kernel_test
+@pytest.mark.parametrize("B,T,lengths", [(2, 13, None), (1, 17, [1, 2, 3, 1, 10])])
+def test_short_conv_reads_a_column_slice_in_place(small_tiles, B, T, lengths):
+    """x as the KDA layer passes it: the q | k | v columns of a wider projection (rows 31 elements apart, not C),
+    read without a copy; the gradient lands in those columns only; the state kernel reads the same slice."""
+    cu = cu_of(lengths) if lengths is not None else None
+    (wide, w), (wide64, w64) = leaves(torch.randn(B, T, 31), torch.randn(24, W_CONV) * 0.7)
+    x, x64 = wide[..., 3:27], wide64[..., 3:27]
+    assert not x.is_contiguous() and short_conv._rows(x) is x
+    out = short_conv.short_conv_silu(x, w, cu_seqlens=cu, backend="triton")
+    (grad, _) = check(out, conv_silu64(x64, w64, None if cu is None else cu.cpu()), [wide, w], [wide64, w64])
+    assert grad[..., :3].abs().max() == 0 and grad[..., 27:].abs().max() == 0
+    state = short_conv.short_conv_state(x.detach(), W_CONV, cu_seqlens=cu, backend="triton")
+    torch.testing.assert_close(state, short_conv.short_conv_state_torch(x.detach().contiguous(), W_CONV,
+                                                                        cu_seqlens=cu))
+
+
+@kernel_test
 @pytest.mark.parametrize("T", [1, 2, 9])
 def test_short_conv_kernels_with_decoding_context_match_float64(small_tiles, T):
     """Plain rows continued from the cache: context ``[B, W-1, C]`` read in place from the ``[B, C, W]`` state; the

@@ -270,3 +270,32 @@ def test_resize_token_embeddings_then_forward_and_generate(tied):
     assert generated.shape == (1, 6) and int(generated.max()) < vocab + 5
     with pytest.raises(ValueError, match="vocab_size"):
         model(torch.tensor([[vocab + 5]]))
+
+
+def test_fused_input_projections_equal_the_modules_and_never_bypass_an_adapter():
+    """The KDA layer's six input projections as one GEMM give the outputs and gradients of the six modules run one by
+    one; a projection that is not a plain linear (here a forward hook, as adapters and quantised layers are) is
+    called, not read through its weight."""
+    from kdamoe.model.modeling_kdamoe import fused_projections
+
+    torch.manual_seed(0)
+    linears = [torch.nn.Linear(16, n, bias=False).double() for n in (6, 6, 6, 2, 4)]
+    x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
+    groups = ((linears[0], linears[1], linears[2]), (linears[3],), (linears[4],))
+    fused = fused_projections(x, *groups)
+    separate = (torch.cat([m(x) for m in groups[0]], -1), linears[3](x), linears[4](x))
+    cotangents = [torch.randn_like(t) for t in separate]
+    leaves = [x] + [m.weight for m in linears]
+    want = torch.autograd.grad(separate, leaves, cotangents)
+    got = torch.autograd.grad(fused, leaves, cotangents)
+    for a, b in zip(fused + got, separate + want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+    model = make_model(layer_types=KDA_ONLY)
+    ids = torch.randint(3, 97, (2, 12))
+    before = model(ids).logits
+    handle = model.model.layers[0].mixer.v_proj.register_forward_hook(lambda module, args, out: out * 0.0)
+    hooked = model(ids).logits
+    handle.remove()
+    assert (hooked - before).abs().max() > 1e-3
+    torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)

@@ -38,7 +38,7 @@ from .model_inputs import (
     is_safetensors_error,
     unreadable_weights,
 )
-from .moe import KDAMoEExperts, KDAMoEMLP, KDAMoERouter, KDAMoESparseMoeBlock, summary_to_host
+from .moe import KDAMoEExperts, KDAMoEMLP, KDAMoERouter, KDAMoESparseMoeBlock, apply_balancing, summary_to_host
 from .short_conv import short_conv_silu, short_conv_state
 
 # transformers renamed the cache field of model outputs from `past_key_values` to `cache` (5.2x); support both.
@@ -63,6 +63,19 @@ class KDAMoERMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+
+def fused_projections(x: torch.Tensor, *groups: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
+    """`torch.cat([m(x) for m in group], -1)` for each group of bias-free projections of the same input x. When every
+    module is a plain `nn.Linear` without hooks, all groups come from one GEMM over their concatenated weights, as
+    column slices of its output: x is read once, and the backward runs one GEMM for x's gradient instead of one per
+    projection plus an add for each. Anything else (PEFT's LoRA layers, quantised linears, hooks) runs module by
+    module, so adapters are never bypassed."""
+    modules = [m for group in groups for m in group]
+    if all(type(m) is nn.Linear and m.bias is None and not (m._forward_hooks or m._forward_pre_hooks) for m in modules):
+        out = F.linear(x, torch.cat([m.weight for m in modules]))
+        return out.split([sum(m.out_features for m in group) for group in groups], dim=-1)
+    return tuple(torch.cat([m(x) for m in group], -1) if len(group) > 1 else group[0](x) for group in groups)
 
 
 class KDAMoECache(DynamicCache):
@@ -167,15 +180,17 @@ class KDAMoEKimiDeltaAttention(nn.Module):
         decoding = cache is not None and cache.has_previous_state(self.layer_idx)
         layer_cache = cache.layers[self.layer_idx] if decoding else None
 
-        qkv = torch.cat([self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)], -1)
+        qkv, beta, decay, out_gate = fused_projections(  # [B, T, 3·H·K], [B, T, H], [B, T, K], [B, T, K]
+            hidden_states, (self.q_proj, self.k_proj, self.v_proj), (self.beta_proj,), (self.decay_down_proj,),
+            (self.out_gate_down_proj,))
         context = layer_cache.conv_states[0][..., 1:].transpose(1, 2) if decoding else None
         cu_seqlens = packed.cu_seqlens_device if packed is not None else None
         mixed = short_conv_silu(qkv, self.conv_weight, cu_seqlens=cu_seqlens, context=context)
         q, key, v = (t.view(batch, seq_len, h, k) for t in mixed.split(h * k, dim=-1))
         # q, k L2-normalised per head; v copied out, so that what the op keeps holds no view of the whole conv output
         q, key, v = l2norm(q), l2norm(key), v.contiguous()
-        beta = self.beta_proj(hidden_states).float().sigmoid()  # [B, T, H]
-        g_raw = self.decay_up_proj(self.decay_down_proj(hidden_states)).view(batch, seq_len, h, k)
+        beta = beta.float().sigmoid()  # [B, T, H]
+        g_raw = self.decay_up_proj(decay).view(batch, seq_len, h, k)
 
         kda_kwargs = dict(
             use_gate_in_kernel=True,
@@ -203,7 +218,7 @@ class KDAMoEKimiDeltaAttention(nn.Module):
             cache.update_conv_state(conv_state, self.layer_idx, conv_kernel_size=self.conv_size)
             cache.update_recurrent_state(state.float(), self.layer_idx)
 
-        out_gate = self.out_gate_up_proj(self.out_gate_down_proj(hidden_states)).view(batch, seq_len, h, k)
+        out_gate = self.out_gate_up_proj(out_gate).view(batch, seq_len, h, k)
         o = gated_rms_norm(o, self.o_norm.weight, out_gate, self.o_norm.eps)  # o_norm(o) * sigmoid(out_gate)
         return self.o_proj(o.reshape(batch, seq_len, h * k))
 
@@ -535,7 +550,8 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
         statistics `{layer_index: {"loads", "max_vio", "dead_experts", "bias_norm"}}`, read to the host in one copy;
         `to_host=False` leaves them as 0-d tensors on the device (no host synchronisation: the update itself is
         decided on the device; `moe.summary_to_host` reads them later)."""
-        stats = {i: layer.ffn.apply_balancing_on_device() for i, layer in enumerate(self.model.layers) if layer.is_moe}
+        moe_layers = [i for i, layer in enumerate(self.model.layers) if layer.is_moe]
+        stats = dict(zip(moe_layers, apply_balancing([self.model.layers[i].ffn for i in moe_layers])))
         if to_host:
             pending = [i for i, s in stats.items() if s]  # a layer without pending statistics reports {}
             stats.update(zip(pending, summary_to_host([stats[i] for i in pending])))

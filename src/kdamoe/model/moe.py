@@ -2,6 +2,8 @@
 SiTU-GLU / SwiGLU experts with a CPU loop path and a grouped-GEMM GPU path (docs/design.md §3).
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -409,7 +411,7 @@ class KDAMoERouter(nn.Module):
 
 
 def _centre(bias: torch.Tensor) -> torch.Tensor:
-    return bias - bias.mean()
+    return bias - bias.mean(-1, keepdim=True)
 
 
 def quantile_balance(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -431,15 +433,15 @@ def quantile_balance(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> to
 
 
 def selection_thresholds(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.Tensor:
-    """`r [N, E]` float64 with token i picking expert j iff `bias_j > r_ij`: `r_ij` = the k-th largest
+    """`r [..., N, E]` float64 with token i picking expert j iff `bias_j > r_ij`: `r_ij` = the k-th largest
     `scores_il + bias_l` over the other experts `l != j`, minus `scores_ij`. For a token that picks j this is
     `quantile_balance`'s `c_i - scores_ij`; for the others `c_i` (the (k+1)-th largest of all) can lie below it,
     which makes that update undershoot for an underloaded expert. The k/E quantile of `r_{:, j}` balances expert j
-    exactly while the other biases stay."""
+    exactly while the other biases stay. `scores [..., N, E]`, `bias [..., E]` (leading dims: layers)."""
     s = scores.double()
-    values, index = torch.topk(s + bias.double(), top_k + 1, dim=-1)
-    picked = torch.zeros_like(s, dtype=torch.bool).scatter_(1, index[:, :top_k], True)
-    return torch.where(picked, values[:, top_k:], values[:, top_k - 1 : top_k]) - s
+    values, index = torch.topk(s + bias.double().unsqueeze(-2), top_k + 1, dim=-1)
+    picked = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, index[..., :top_k], True)
+    return torch.where(picked, values[..., top_k:], values[..., top_k - 1 : top_k]) - s
 
 
 def quantile_fixed_point(scores: torch.Tensor, bias: torch.Tensor, top_k: int, iterations: int) -> torch.Tensor:
@@ -465,31 +467,51 @@ def balanced_bias(scores: torch.Tensor, bias: torch.Tensor, top_k: int, iteratio
     (e.g. an all-reduce) sums each histogram's int64 counts across ranks in place before it is read. Each step reads
     the k/E quantile twice, from `num_bins` bins over `[min(bias) - 1, max(bias) + 1]` (which holds every threshold,
     since scores lie in (0, 1)) and then from `num_bins` bins inside the bin found: within `span / num_bins**2` of
-    the exact quantile, finer than the spread of a router whose scores barely differ between tokens. Only the rows
-    where `token_mask [N]` is True count. On the device, no host synchronisation; returns `[E]` float64."""
-    q = top_k / scores.shape[1]
+    the exact quantile, finer than the spread of a router whose scores barely differ between tokens.
+
+    `scores [..., N, E]`, `bias [..., E]`: the leading dims are independent problems (the MoE layers of a model, one
+    batched computation for all); only the rows where `token_mask [..., N]` (or `[N]`) is True count. On the device,
+    no host synchronisation; returns `[..., E]` float64."""
+    *lead, n, num_experts = scores.shape
+    q = top_k / num_experts
+    mask = None if token_mask is None else token_mask.expand(*lead, n)
     new = bias.double()
     for _ in range(iterations):
-        r = selection_thresholds(scores, new, top_k)
-        coarse = _filled(QuantileHistogram(scores.shape[1], num_bins, new.min() - 1.0, new.max() + 1.0), r,
-                         token_mask, reduce)
-        new = _centre(_filled(coarse.refine(q), r, token_mask, reduce).quantile(q))
+        r = selection_thresholds(scores, new, top_k).transpose(-1, -2)  # [..., E, N]
+        ordered, counts = _ordered_columns(r, mask)
+        low = (new.amin(-1, keepdim=True) - 1.0).expand_as(new)
+        high = (new.amax(-1, keepdim=True) + 1.0).expand_as(new)
+        coarse = QuantileHistogram(new.numel(), num_bins, low.reshape(-1), high.reshape(-1))
+        coarse.add_ordered(ordered, counts)
+        if reduce is not None:
+            reduce(coarse.counts)
+        fine = coarse.refine(q)
+        fine.add_ordered(ordered, counts)
+        if reduce is not None:
+            reduce(fine.counts)
+        new = _centre(fine.quantile(q).view_as(new))
     return new
 
 
-def _filled(histogram: "QuantileHistogram", r: torch.Tensor, token_mask, reduce) -> "QuantileHistogram":
-    histogram.add(r, token_mask)
-    if reduce is not None:
-        reduce(histogram.counts)
-    return histogram
+def _ordered_columns(columns: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`columns [..., E, N]` as `[C, N]` rows sorted ascending (C = the product of the leading dims), the values of
+    the masked-out tokens (`mask [..., N]` False) moved past the end as +inf, and `[C]` int64 counts of real values."""
+    n = columns.shape[-1]
+    if mask is None:
+        ordered = columns.reshape(-1, n)
+        counts = torch.full(ordered.shape[:1], n, dtype=torch.int64, device=columns.device)
+    else:
+        ordered = columns.masked_fill(~mask.unsqueeze(-2), math.inf).reshape(-1, n)
+        counts = mask.sum(-1, keepdim=True).expand(columns.shape[:-1]).reshape(-1)
+    return ordered.contiguous().sort(dim=-1).values, counts
 
 
 def loss_free_balance(loads: torch.Tensor, bias: torch.Tensor, rate: float) -> torch.Tensor:
-    """Sign-step baseline: `bias_j + rate * sign(mean(loads) - loads_j)`; `loads [E]`, returns `[E]`."""
+    """Sign-step baseline: `bias_j + rate * sign(mean(loads) - loads_j)`; `loads [..., E]`, returns `[..., E]`."""
     if loads.shape != bias.shape:
         raise ValueError(f"loads {tuple(loads.shape)} and bias {tuple(bias.shape)} must have the same shape")
     loads = loads.double()
-    return (bias.double() + rate * torch.sign(loads.mean() - loads)).to(bias.dtype)
+    return (bias.double() + rate * torch.sign(loads.mean(-1, keepdim=True) - loads)).to(bias.dtype)
 
 
 def max_violation(loads: torch.Tensor) -> float:
@@ -505,7 +527,7 @@ class QuantileHistogram:
     """Per-expert histograms of values in a fixed range `[low, high]`, for quantiles over large token windows.
 
     `low`, `high`: scalars or `[E]` (a range per expert). `add(r [N, E])` bins every value (clamped into the range)
-    into `num_bins` equal bins per expert; `counts` (int64 `[E, num_bins]`) is the whole state, so windows add up by
+    into `num_bins` equal bins per expert (by sorting each expert's values and a binary search per edge); `counts` (int64 `[E, num_bins]`) is the whole state, so windows add up by
     summing counts (micro-batches, or an all-reduce across ranks). `quantile(q)` reads the q-quantile per expert by
     linear interpolation inside the bin where the cumulative count reaches `q * total`; it lies within one bin width
     of the exact quantile. `refine(q)` gives the histogram of that bin, for a second pass `num_bins` times finer.
@@ -529,10 +551,17 @@ class QuantileHistogram:
         """Accumulate `r [N, E]`, only the rows where `token_mask [N]` (bool) is True when it is given."""
         if r.dim() != 2 or r.shape[1] != self.counts.shape[0]:
             raise ValueError(f"r must be [N, {self.counts.shape[0]}], got {tuple(r.shape)}")
-        bins = ((r.double() - self.low) / self.width).floor().clamp_(0, self.num_bins - 1).long()
-        flat = bins + torch.arange(r.shape[1], device=r.device) * self.num_bins
-        ones = torch.ones_like(flat) if token_mask is None else token_mask.long()[:, None].expand_as(flat)
-        self.counts.view(-1).scatter_add_(0, flat.reshape(-1), ones.reshape(-1))
+        self.add_ordered(*_ordered_columns(r.t(), token_mask))
+
+    def add_ordered(self, ordered: torch.Tensor, counts: torch.Tensor) -> None:
+        """Accumulate the first `counts [E]` values of each row of `ordered [E, N]` (sorted ascending). A binary
+        search per bin edge counts the values below it: no atomics, so a window whose values crowd into a few bins
+        (the refined pass) costs no more than any other."""
+        num_experts, inner = self.counts.shape[0], torch.arange(1, self.num_bins, device=self.counts.device)
+        edges = self.low.reshape(-1, 1) + inner * self.width.reshape(-1, 1)  # [E or 1, num_bins - 1]
+        below = torch.searchsorted(ordered, edges.to(ordered.dtype).expand(num_experts, -1).contiguous())
+        cumulative = torch.cat([below, counts[:, None]], dim=1)  # +inf (masked) values lie below no edge
+        self.counts += torch.diff(cumulative, dim=1, prepend=torch.zeros_like(counts[:, None]))
 
     def _locate(self, q: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Per expert, the bin `[E, 1]` where the cumulative count reaches `q * total` and the fraction `[E, 1]` of
@@ -635,8 +664,8 @@ class KDAMoESparseMoeBlock(nn.Module):
         self._loads.scatter_add_(0, top_k_index.reshape(-1), ones.reshape(-1))
         if self.balancing == "quantile" and self.top_k < self.num_experts:
             real = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device) if mask is None else mask
-            with torch.autocast(x.device.type, enabled=False):
-                input_sum = real.float() @ x.detach().float()
+            x = x.detach() if mask is None else x.detach() * mask[:, None]
+            input_sum = x.sum(0, dtype=torch.float32)
             logits = logits.detach()
             if self._logits is not None:
                 logits, real = torch.cat([self._logits[0], logits]), torch.cat([self._logits[1], real])
@@ -648,54 +677,103 @@ class KDAMoESparseMoeBlock(nn.Module):
     def apply_balancing(self) -> dict:
         """Apply the pending update (statistics all-reduced first when torch.distributed is initialised, so every
         rank sets the same bias), reset the statistics and return `{"loads": int64 [E], "max_vio": float,
-        "dead_experts": int, "bias_norm": float}`. Without pending statistics: no change, returns `{}`."""
-        stats = self.apply_balancing_on_device()
+        "dead_experts": int, "bias_norm": float}`. Without pending statistics: no change, returns `{}`.
+        `apply_balancing` (the module function) updates several blocks at once."""
+        stats = apply_balancing([self])[0]
         return {} if not stats else summary_to_host([stats])[0]
 
-    @torch.no_grad()
-    def apply_balancing_on_device(self) -> dict:
-        """`apply_balancing` without a host round trip: `max_vio`, `dead_experts` and `bias_norm` as 0-d tensors on
-        the router's device (`summary_to_host` reads those of every layer in one copy)."""
-        if self._loads is None:
-            return {}
-        loads, logits, input_sum = self._loads, self._logits, self._input_sum
+    def _take_window(self):
+        """The pending statistics `(loads, (logits, real) or None, input_sum or None)`, reset."""
+        window = self._loads, self._logits, self._input_sum
         self._loads = self._logits = self._input_sum = None
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if distributed:
-            torch.distributed.all_reduce(loads)
-        bias = self.router.bias
-        counted = loads.sum() > 0  # a step whose tokens were all masked keeps the bias (decided on the device)
-        if logits is not None:
-            logits, real = logits
-            scores = torch.sigmoid(logits + self._logit_drift(logits, real, input_sum, loads, distributed))
-            new = balanced_bias(scores, bias, self.top_k, self.quantile_iterations, self.quantile_num_bins, real,
-                                torch.distributed.all_reduce if distributed else None)
-            bias.copy_(torch.where(counted, new, bias))
-        elif self.balancing == "loss_free":
-            bias.copy_(torch.where(counted, loss_free_balance(loads, bias.double(), self.loss_free_update_rate), bias))
-        mean = loads.double().mean()
-        return {
-            "loads": loads,  # as routed, with the bias before this update
-            "max_vio": torch.where(counted, (loads.max() - mean) / mean.clamp_min(1e-30), 0.0),
-            "dead_experts": (loads == 0).sum(),
-            "bias_norm": bias.double().norm(),
-        }
+        return window
 
-    def _logit_drift(self, logits, real, input_sum, loads, distributed: bool) -> torch.Tensor:
-        """`[E]` fp32: how the optimizer step just taken moved each expert's logit at the window's mean router input,
-        `W_now · mean(x) - mean(logits)` over the real tokens (the logits were computed before the step). Adding it to
-        the window's logits scores them as the updated router will route the next batch: early in training the
-        router's own update moves an expert's logit by more than its spread across tokens, so a bias fitted to the
-        logits as they were is stale before it is used. Exact when the inputs differ little between tokens, which is
-        when it matters."""
-        sums = torch.cat([input_sum.double(), real.double() @ logits.double()])
-        if distributed:
-            torch.distributed.all_reduce(sums)
-        count = (loads.sum() / self.top_k).clamp_min(1).double()
-        mean_input, mean_logit = sums[: input_sum.numel()] / count, sums[input_sum.numel():] / count
-        weight = self.router.weight.detach()
+
+@torch.no_grad()
+def apply_balancing(blocks: list[KDAMoESparseMoeBlock]) -> list[dict]:
+    """Apply the pending router-bias update of every block in `blocks` (once per optimizer step) and return, per
+    block, `{"loads": int64 [E] as routed with the bias before the update, "max_vio", "dead_experts", "bias_norm":
+    0-d device tensors}` (`summary_to_host` reads those of every block in one copy), `{}` for a block with nothing
+    pending. Decided on the device: no host synchronisation.
+
+    The MoE layers of a model see the same tokens, so their updates run as one batched computation (`balanced_bias`
+    over a leading layer dim, in groups of at most `BALANCE_GROUP_ELEMENTS` thresholds) with one all-reduce per
+    statistic for all layers when torch.distributed is initialised: a per-layer update is a few hundred small ops
+    whose launches would cost more host time than the layer's compute."""
+    out = [{} for _ in blocks]
+    pending = [(i, block, block._take_window()) for i, block in enumerate(blocks) if block._loads is not None]
+    if not pending:
+        return out
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    loads = torch.stack([window[0] for _, _, window in pending])  # [L, E] (every block of a model has E experts)
+    if distributed:
+        torch.distributed.all_reduce(loads)
+    counted = loads.sum(-1) > 0  # a window whose tokens were all masked keeps its bias
+    groups: dict[tuple, list[int]] = {}  # blocks updated together: same mode and window shape, or same rate
+    for p, (_, block, (_, logits, _)) in enumerate(pending):
+        if logits is not None:
+            groups.setdefault(("quantile", logits[0].shape), []).append(p)
+        elif block.balancing == "loss_free":
+            groups.setdefault(("loss_free", block.loss_free_update_rate), []).append(p)
+    for (mode, setting), members in groups.items():
+        if mode == "quantile":
+            size = max(1, BALANCE_GROUP_ELEMENTS // max(1, setting[0] * setting[1]))
+            for first in range(0, len(members), size):
+                part = members[first : first + size]
+                _quantile_update([pending[p][1:] for p in part], loads[part], counted[part], distributed)
+        else:
+            biases = torch.stack([pending[p][1].router.bias for p in members])
+            new = torch.where(counted[members, None], loss_free_balance(loads[members], biases, setting), biases)
+            for row, p in enumerate(members):
+                pending[p][1].router.bias.copy_(new[row])
+    mean = loads.double().mean(-1)
+    max_vio = torch.where(counted, (loads.amax(-1) - mean) / mean.clamp_min(1e-30), 0.0)
+    dead = (loads == 0).sum(-1)
+    bias_norm = torch.stack([block.router.bias for _, block, _ in pending]).double().norm(dim=-1)
+    for p, (i, _, _) in enumerate(pending):
+        out[i] = {"loads": loads[p], "max_vio": max_vio[p], "dead_experts": dead[p], "bias_norm": bias_norm[p]}
+    return out
+
+
+BALANCE_GROUP_ELEMENTS = 1 << 26  # thresholds per batched Quantile Balancing update (float64, a few such buffers)
+
+
+def _quantile_update(pending, loads: torch.Tensor, counted: torch.Tensor, distributed: bool) -> None:
+    """One batched Quantile Balancing update of the blocks in `pending` (`(block, window)` pairs with windows of the
+    same shape; `loads [L, E]`, `counted [L]`): the logits rescored by `_logit_drift`, then `balanced_bias`."""
+    blocks = [block for block, _ in pending]
+    logits = torch.stack([window[1][0] for _, window in pending])  # [L, N, E] fp32
+    real = torch.stack([window[1][1] for _, window in pending])  # [L, N] bool
+    input_sum = torch.stack([window[2] for _, window in pending])  # [L, D] fp32
+    first = blocks[0]
+    scores = torch.sigmoid(logits + _logit_drift(blocks, logits, real, input_sum, loads, distributed))
+    bias = torch.stack([block.router.bias for block in blocks])
+    new = balanced_bias(scores, bias, first.top_k, first.quantile_iterations, first.quantile_num_bins, real,
+                        torch.distributed.all_reduce if distributed else None)
+    new = torch.where(counted[:, None], new, bias.double())
+    for row, block in enumerate(blocks):
+        block.router.bias.copy_(new[row])
+
+
+def _logit_drift(blocks, logits, real, input_sum, loads, distributed: bool) -> torch.Tensor:
+    """`[L, 1, E]` fp32: how the optimizer step just taken moved each expert's logit at the window's mean router input,
+    `W_now · mean(x) - mean(logits)` over the real tokens (the logits were computed before the step). Adding it to
+    the window's logits scores them as the updated router will route the next batch: early in training the router's
+    own update moves an expert's logit by more than its spread across tokens, so a bias fitted to the logits as they
+    were is stale before it is used. Exact when the inputs differ little between tokens, which is when it matters."""
+    width = input_sum.shape[-1]
+    sums = torch.cat([input_sum.double(), torch.bmm(real.double().unsqueeze(1), logits.double()).squeeze(1)], dim=-1)
+    if distributed:
+        torch.distributed.all_reduce(sums)
+    count = (loads.sum(-1, keepdim=True) / blocks[0].top_k).clamp_min(1).double()  # [L, 1] real tokens
+    mean_input, mean_logit = sums[:, :width] / count, sums[:, width:] / count
+    weights = []
+    for block in blocks:
+        weight = block.router.weight.detach()
         weight = weight.full_tensor() if hasattr(weight, "full_tensor") else weight  # an FSDP2 shard
-        return (weight.to(self._weight_dtype).double() @ mean_input - mean_logit).float()
+        weights.append(weight.to(block._weight_dtype))
+    moved = torch.bmm(torch.stack(weights).double(), mean_input.unsqueeze(-1)).squeeze(-1)  # [L, E]
+    return (moved - mean_logit).float().unsqueeze(1)
 
 
 def _outside_backward() -> bool:
@@ -705,7 +783,8 @@ def _outside_backward() -> bool:
 
 
 def summary_to_host(stats: list[dict]) -> list[dict]:
-    """The device statistics of `apply_balancing_on_device` of several layers as Python numbers, in one copy."""
+    """The device statistics of `apply_balancing` (the module function) of several layers as Python numbers, in one
+    copy."""
     keys = ("max_vio", "dead_experts", "bias_norm")
     values = torch.stack([s[k].double() for s in stats for k in keys]).tolist() if stats else []
     out = []
@@ -722,6 +801,7 @@ __all__ = [
     "KDAMoERouter",
     "KDAMoESparseMoeBlock",
     "QuantileHistogram",
+    "apply_balancing",
     "balanced_bias",
     "loss_free_balance",
     "max_violation",

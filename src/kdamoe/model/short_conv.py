@@ -8,7 +8,8 @@ or, for plain batches, read from ``context: [B, W-1, C]`` (the inputs before x w
 The KDA layer runs it on its q, k, v projections. The output dtype is ``promote_types(x.dtype, weight.dtype)`` (fp32
 for bf16 activations and an fp32 weight under autocast); the sum is fp32.
 
-Kernels (the flattened ``[B·T, C]`` input; grid axis 0 walks token blocks, as CUDA allows 2^31 − 1 programs there
+Kernels (the flattened ``[B·T, C]`` input, whose rows may lie further apart than C, as in a column slice of a
+wider projection; grid axis 0 walks token blocks, as CUDA allows 2^31 − 1 programs there
 and 65535 on axes 1 and 2, which would stop at 4M tokens; axis 1 the channel blocks; int64 offsets, as 1M tokens x
 6144 channels pass 2^31):
 
@@ -115,16 +116,17 @@ if triton is not None:
         return bos, eos
 
     @triton.jit
-    def _conv_pre(x, w, ctx, u, bos, cbase, m_u, d, m_d, C, s_cj, s_cc, W: tl.constexpr, HAS_CTX: tl.constexpr):
-        """Pre-activation ``[BT, BD]`` fp32 at the flat tokens u (document start bos): taps before bos are 0, or
-        (HAS_CTX, plain rows) read from ctx ``[B, W-1, C]`` at ``cbase + src · s_cj`` (``_ctx_base``)."""
+    def _conv_pre(x, w, ctx, u, bos, cbase, m_u, d, m_d, SX, s_cj, s_cc, W: tl.constexpr, HAS_CTX: tl.constexpr):
+        """Pre-activation ``[BT, BD]`` fp32 at the flat tokens u (document start bos; x's rows SX elements apart):
+        taps before bos are 0, or (HAS_CTX, plain rows) read from ctx ``[B, W-1, C]`` at ``cbase + src · s_cj``
+        (``_ctx_base``)."""
         m_x = m_u[:, None] & m_d[None, :]
-        acc = tl.load(x + u[:, None] * C + d[None, :], mask=m_x, other=0.0).to(tl.float32)
+        acc = tl.load(x + u[:, None] * SX + d[None, :], mask=m_x, other=0.0).to(tl.float32)
         acc = acc * tl.load(w + d * W + (W - 1), mask=m_d, other=0.0).to(tl.float32)[None, :]
         for tap in tl.static_range(W - 1):
             src = u - (W - 1 - tap)
             inside = src >= bos
-            xv = tl.load(x + src[:, None] * C + d[None, :], mask=m_x & inside[:, None], other=0.0).to(tl.float32)
+            xv = tl.load(x + src[:, None] * SX + d[None, :], mask=m_x & inside[:, None], other=0.0).to(tl.float32)
             if HAS_CTX:
                 xv += tl.load(ctx + (cbase + src * s_cj)[:, None] + d[None, :] * s_cc, mask=m_x & ~inside[:, None],
                               other=0.0).to(tl.float32)
@@ -138,7 +140,7 @@ if triton is not None:
         return (bos // T) * s_cb + (W - 1 - bos) * s_cj
 
     @triton.jit
-    def _conv_fwd_kernel(x, w, ctx, cu, y, L, T, C, n_docs, n_steps, s_cb, s_cj, s_cc,
+    def _conv_fwd_kernel(x, w, ctx, cu, y, L, T, C, SX, n_docs, n_steps, s_cb, s_cj, s_cc,
                          W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                          VARLEN: tl.constexpr, HAS_CTX: tl.constexpr):
         t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
@@ -146,29 +148,31 @@ if triton is not None:
         m_t, m_d = t < L, d < C
         bos, _ = _doc_bounds(t, cu, n_docs, n_steps, T, VARLEN)
         cbase = _ctx_base(bos, T, s_cb, s_cj, W) if HAS_CTX else bos
-        pre = _conv_pre(x, w, ctx, t, bos, cbase, m_t, d, m_d, C, s_cj, s_cc, W, HAS_CTX)
+        pre = _conv_pre(x, w, ctx, t, bos, cbase, m_t, d, m_d, SX, s_cj, s_cc, W, HAS_CTX)
         tl.store(y + t[:, None] * C + d[None, :], (pre * tl.sigmoid(pre)).to(y.dtype.element_ty),
                  mask=m_t[:, None] & m_d[None, :])
 
     @triton.jit
-    def _conv_dpre_kernel(x, w, ctx, cu, dy, dpre, dw, L, T, C, n_docs, n_steps, n_blocks, s_cb, s_cj, s_cc,
+    def _conv_dpre_kernel(x, w, ctx, cu, dy, dpre, dw, L, T, C, SX, n_docs, n_steps, n_blocks, s_cb, s_cj, s_cc,
                           W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                           VARLEN: tl.constexpr, HAS_CTX: tl.constexpr):
         """Persistent over token blocks pid, pid + P, ...: ``dpre = dy · silu'(pre)`` of the block (pre recomputed
         from its W shifted input tiles) into ``dpre``, and this program's weight-gradient partial sums
-        ``Σ_t dpre[t] · x[t − (W−1−tap)]`` into ``dw[pid, tap, channel]`` (``[P, W, C]``)."""
+        ``Σ_t dpre[t] · x[t − (W−1−tap)]`` into ``dw[pid, tap, channel]`` (``[P, W, C]``). The products accumulate
+        per (tap, token, channel) in registers and are summed over tokens once, after the loop: a sum over the
+        block's tokens per tap and block would cross warps (shared memory and a barrier) every iteration."""
         pid = tl.program_id(0)
         d = tl.program_id(1) * BD + tl.arange(0, BD)
         m_d = d < C
         taps = tl.arange(0, WP)
-        dw_acc = tl.zeros([BD, WP], dtype=tl.float32)
+        dw_acc = tl.zeros([WP, BT, BD], dtype=tl.float32)
         for blk in range(pid, n_blocks, tl.num_programs(0)):
             t = (blk * BT + tl.arange(0, BT)).to(tl.int64)
             m_t = t < L
             m_x = m_t[:, None] & m_d[None, :]
             bos, _ = _doc_bounds(t, cu, n_docs, n_steps, T, VARLEN)
             cbase = _ctx_base(bos, T, s_cb, s_cj, W) if HAS_CTX else bos
-            pre = _conv_pre(x, w, ctx, t, bos, cbase, m_t, d, m_d, C, s_cj, s_cc, W, HAS_CTX)
+            pre = _conv_pre(x, w, ctx, t, bos, cbase, m_t, d, m_d, SX, s_cj, s_cc, W, HAS_CTX)
             sig = tl.sigmoid(pre)
             g = tl.load(dy + t[:, None] * C + d[None, :], mask=m_x, other=0.0).to(tl.float32)
             dp = g * sig * (1.0 + pre * (1.0 - sig))
@@ -176,12 +180,13 @@ if triton is not None:
             for tap in tl.static_range(W):  # the tile's inputs again (from L1 / L2): tap reads x[t − (W−1−tap)]
                 src = t - (W - 1 - tap)
                 inside = src >= bos
-                xv = tl.load(x + src[:, None] * C + d[None, :], mask=m_x & inside[:, None], other=0.0).to(tl.float32)
+                xv = tl.load(x + src[:, None] * SX + d[None, :], mask=m_x & inside[:, None], other=0.0).to(tl.float32)
                 if HAS_CTX:
                     xv += tl.load(ctx + (cbase + src * s_cj)[:, None] + d[None, :] * s_cc,
                                   mask=m_x & ~inside[:, None], other=0.0).to(tl.float32)
-                dw_acc += tl.where(taps[None, :] == tap, tl.sum(dp * xv, axis=0)[:, None], 0.0)
-        tl.store(dw + pid * W * C + taps[None, :] * C + d[:, None], dw_acc, mask=(taps < W)[None, :] & m_d[:, None])
+                dw_acc += tl.where((taps == tap)[:, None, None], (dp * xv)[None, :, :], 0.0)
+        tl.store(dw + pid * W * C + taps[:, None] * C + d[None, :], tl.sum(dw_acc, axis=1),
+                 mask=(taps < W)[:, None] & m_d[None, :])
 
     @triton.jit
     def _conv_dx_kernel(w, cu, dpre, dx, L, T, C, n_docs, n_steps, W: tl.constexpr, BT: tl.constexpr,
@@ -200,7 +205,7 @@ if triton is not None:
         tl.store(dx + t[:, None] * C + d[None, :], acc.to(dx.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
 
     @triton.jit
-    def _state_kernel(x, state, cu, out, T, C, n_docs, n_steps, s_sb, s_sc, s_sw,
+    def _state_kernel(x, state, cu, out, T, C, SX, n_docs, n_steps, s_sb, s_sc, s_sw,
                       W: tl.constexpr, WP: tl.constexpr, BD: tl.constexpr,
                       VARLEN: tl.constexpr, HAS_STATE: tl.constexpr):
         """Row b, channels d: ``out[b, d, j]`` = the input at row position T − W + j (from state when negative),
@@ -214,13 +219,21 @@ if triton is not None:
         bos, _ = _doc_bounds(last, cu, n_docs, n_steps, T, VARLEN)
         flat = b * T + p
         m_j = j < W
-        v = tl.load(x + flat[None, :] * C + d[:, None], mask=(m_j & (p >= 0) & (flat >= bos))[None, :] & m_d[:, None],
+        v = tl.load(x + flat[None, :] * SX + d[:, None], mask=(m_j & (p >= 0) & (flat >= bos))[None, :] & m_d[:, None],
                     other=0.0)
         if HAS_STATE:
             v += tl.load(state + b * s_sb + d[:, None] * s_sc + (W + p)[None, :] * s_sw,
                          mask=(m_j & (p < 0))[None, :] & m_d[:, None], other=0.0).to(v.dtype)
         tl.store(out + (b * C + d[:, None]) * W + j[None, :], v.to(out.dtype.element_ty),
                  mask=m_j[None, :] & m_d[:, None])
+
+
+def _rows(x):
+    """x ``[B, T, C]`` as the kernels read it: channels contiguous and the B·T rows evenly spaced (``x.stride(1)``
+    apart), so a column slice of a wider projection is read in place; anything else is copied."""
+    if x.stride(-1) == 1 and (x.shape[0] == 1 or x.stride(0) == x.shape[1] * x.stride(1)):
+        return x
+    return x.contiguous()
 
 
 def _doc_args(x, cu_seqlens):
@@ -239,14 +252,15 @@ class _ShortConvSiLUFn(torch.autograd.Function):
     def forward(ctx, x, weight, cu_seqlens, context):
         batch, seq_len, channels = x.shape
         width = weight.shape[1]
-        x, weight = x.contiguous(), weight.contiguous()
+        x, weight = _rows(x), weight.contiguous()
         y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
         n_tokens = batch * seq_len
         cfg = LAUNCH["fwd"]
         cu, n_docs, n_steps = _doc_args(x, cu_seqlens)
         if n_tokens and channels:
             _conv_fwd_kernel[(triton.cdiv(n_tokens, cfg["BT"]), triton.cdiv(channels, cfg["BD"]))](
-                x, weight, x if context is None else context, cu, y, n_tokens, seq_len, channels, n_docs, n_steps,
+                x, weight, x if context is None else context, cu, y, n_tokens, seq_len, channels, x.stride(1), n_docs,
+                n_steps,
                 *(context.stride() if context is not None else (0, 0, 0)), W=width, BT=cfg["BT"], BD=cfg["BD"],
                 VARLEN=cu_seqlens is not None, HAS_CTX=context is not None, num_warps=cfg["num_warps"])
         ctx.save_for_backward(x, weight, cu_seqlens, context)
@@ -258,7 +272,7 @@ class _ShortConvSiLUFn(torch.autograd.Function):
         batch, seq_len, channels = x.shape
         width = weight.shape[1]
         dy = dy.contiguous()
-        dx = torch.empty_like(x)
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         dpre = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # the pre-activation's gradient, in x's dtype
         n_tokens = batch * seq_len
         cfg, cfg_dx = LAUNCH["dpre"], LAUNCH["dx"]
@@ -268,8 +282,8 @@ class _ShortConvSiLUFn(torch.autograd.Function):
         cu, n_docs, n_steps = _doc_args(x, cu_seqlens)
         if channels:
             _conv_dpre_kernel[(programs, n_cblocks)](
-                x, weight, x if context is None else context, cu, dy, dpre, dw, n_tokens, seq_len, channels, n_docs,
-                n_steps, n_blocks, *(context.stride() if context is not None else (0, 0, 0)),
+                x, weight, x if context is None else context, cu, dy, dpre, dw, n_tokens, seq_len, channels,
+                x.stride(1), n_docs, n_steps, n_blocks, *(context.stride() if context is not None else (0, 0, 0)),
                 W=width, WP=triton.next_power_of_2(width), BT=cfg["BT"], BD=cfg["BD"],
                 VARLEN=cu_seqlens is not None, HAS_CTX=context is not None, num_warps=cfg["num_warps"])
         if n_tokens and channels:
@@ -328,13 +342,13 @@ def short_conv_state(x, width, state=None, cu_seqlens=None, backend=None):
     cu_seqlens = _on_device(cu_seqlens, x)
     if not use_triton(backend, x):
         return short_conv_state_torch(x, width, state, cu_seqlens)
-    x = x.contiguous()
+    x = _rows(x)
     out = torch.empty(batch, channels, width, dtype=x.dtype, device=x.device)
     cfg = LAUNCH["state"]
     cu, n_docs, n_steps = _doc_args(x, cu_seqlens)
     if batch and channels:
         _state_kernel[(batch, triton.cdiv(channels, cfg["BD"]))](
-            x, x if state is None else state, cu, out, seq_len, channels, n_docs, n_steps,
+            x, x if state is None else state, cu, out, seq_len, channels, x.stride(1), n_docs, n_steps,
             *(state.stride() if state is not None else (0, 0, 0)), W=width, WP=triton.next_power_of_2(width),
             BD=cfg["BD"], VARLEN=cu_seqlens is not None, HAS_STATE=state is not None, num_warps=cfg["num_warps"])
     return out
