@@ -174,9 +174,10 @@ def test_block_update_matches_the_exact_fixed_point():
     stats = block.apply_balancing()
     scores = torch.sigmoid(logits.double())
     new = block.router.bias.double()
-    # no optimizer step: nothing drifted, so the update is the histogram read-out of the exact fixed point
-    torch.testing.assert_close(new, balanced_bias(scores, bias0, 2, config.quantile_iterations, 1000), rtol=0,
-                               atol=1e-7)
+    # no optimizer step: nothing drifted, so the update is the histogram read-out of the exact fixed point (on the
+    # block's fp32 scores)
+    torch.testing.assert_close(new, balanced_bias(torch.sigmoid(logits), bias0, 2, config.quantile_iterations, 1000),
+                               rtol=0, atol=1e-7)
     exact = quantile_fixed_point(scores, bias0.double(), 2, config.quantile_iterations)
     assert (new - exact).abs().max() < 3e-3  # the two quantile definitions differ by a gap between thresholds
     assert (loads_of(scores, new) - loads_of(scores, exact)).abs().max() <= 3

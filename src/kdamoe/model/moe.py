@@ -433,13 +433,15 @@ def quantile_balance(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> to
 
 
 def selection_thresholds(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.Tensor:
-    """`r [..., N, E]` float64 with token i picking expert j iff `bias_j > r_ij`: `r_ij` = the k-th largest
+    """`r [..., N, E]` with token i picking expert j iff `bias_j > r_ij`: `r_ij` = the k-th largest
     `scores_il + bias_l` over the other experts `l != j`, minus `scores_ij`. For a token that picks j this is
     `quantile_balance`'s `c_i - scores_ij`; for the others `c_i` (the (k+1)-th largest of all) can lie below it,
     which makes that update undershoot for an underloaded expert. The k/E quantile of `r_{:, j}` balances expert j
-    exactly while the other biases stay. `scores [..., N, E]`, `bias [..., E]` (leading dims: layers)."""
-    s = scores.double()
-    values, index = torch.topk(s + bias.double().unsqueeze(-2), top_k + 1, dim=-1)
+    exactly while the other biases stay. `scores [..., N, E]`, `bias [..., E]` (leading dims: layers); computed in
+    scores' dtype (float64 for the oracle; the block's fp32 scores resolve a threshold to ~1e-7, far finer than the
+    histogram's bins), at least fp32."""
+    s = scores if scores.dtype == torch.float64 else scores.float()
+    values, index = torch.topk(s + bias.to(s.dtype).unsqueeze(-2), top_k + 1, dim=-1)
     picked = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, index[..., :top_k], True)
     return torch.where(picked, values[..., top_k:], values[..., top_k - 1 : top_k]) - s
 
@@ -472,38 +474,22 @@ def balanced_bias(scores: torch.Tensor, bias: torch.Tensor, top_k: int, iteratio
     `scores [..., N, E]`, `bias [..., E]`: the leading dims are independent problems (the MoE layers of a model, one
     batched computation for all); only the rows where `token_mask [..., N]` (or `[N]`) is True count. On the device,
     no host synchronisation; returns `[..., E]` float64."""
-    *lead, n, num_experts = scores.shape
-    q = top_k / num_experts
-    mask = None if token_mask is None else token_mask.expand(*lead, n)
+    q = top_k / scores.shape[-1]
     new = bias.double()
     for _ in range(iterations):
-        r = selection_thresholds(scores, new, top_k).transpose(-1, -2)  # [..., E, N]
-        ordered, counts = _ordered_columns(r, mask)
-        low = (new.amin(-1, keepdim=True) - 1.0).expand_as(new)
-        high = (new.amax(-1, keepdim=True) + 1.0).expand_as(new)
-        coarse = QuantileHistogram(new.numel(), num_bins, low.reshape(-1), high.reshape(-1))
-        coarse.add_ordered(ordered, counts)
+        r = selection_thresholds(scores, new, top_k)  # [..., N, E]
+        low = (new.amin(-1, keepdim=True) - 1.0).expand_as(new).reshape(-1)
+        high = (new.amax(-1, keepdim=True) + 1.0).expand_as(new).reshape(-1)
+        coarse = QuantileHistogram(new.numel(), num_bins, low, high)
+        coarse.add(r, token_mask)
         if reduce is not None:
             reduce(coarse.counts)
         fine = coarse.refine(q)
-        fine.add_ordered(ordered, counts)
+        fine.add(r, token_mask)
         if reduce is not None:
             reduce(fine.counts)
         new = _centre(fine.quantile(q).view_as(new))
     return new
-
-
-def _ordered_columns(columns: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`columns [..., E, N]` as `[C, N]` rows sorted ascending (C = the product of the leading dims), the values of
-    the masked-out tokens (`mask [..., N]` False) moved past the end as +inf, and `[C]` int64 counts of real values."""
-    n = columns.shape[-1]
-    if mask is None:
-        ordered = columns.reshape(-1, n)
-        counts = torch.full(ordered.shape[:1], n, dtype=torch.int64, device=columns.device)
-    else:
-        ordered = columns.masked_fill(~mask.unsqueeze(-2), math.inf).reshape(-1, n)
-        counts = mask.sum(-1, keepdim=True).expand(columns.shape[:-1]).reshape(-1)
-    return ordered.contiguous().sort(dim=-1).values, counts
 
 
 def loss_free_balance(loads: torch.Tensor, bias: torch.Tensor, rate: float) -> torch.Tensor:
@@ -524,44 +510,41 @@ def max_violation(loads: torch.Tensor) -> float:
 
 
 class QuantileHistogram:
-    """Per-expert histograms of values in a fixed range `[low, high]`, for quantiles over large token windows.
+    """Per-column histograms of values in a fixed range `[low, high]`, for quantiles over large token windows.
 
-    `low`, `high`: scalars or `[E]` (a range per expert). `add(r [N, E])` bins every value (clamped into the range)
-    into `num_bins` equal bins per expert (by sorting each expert's values and a binary search per edge); `counts` (int64 `[E, num_bins]`) is the whole state, so windows add up by
-    summing counts (micro-batches, or an all-reduce across ranks). `quantile(q)` reads the q-quantile per expert by
+    A column is an expert, or a (layer, expert) pair when several layers are binned at once. `low`, `high`: scalars
+    or `[C]` (a range per column). `add(r [..., N, E])` bins every value (clamped into the range) into `num_bins`
+    equal bins of its column `l·E + j`; `counts` (int64 `[C, num_bins]`) is the whole state, so windows add up by
+    summing counts (micro-batches, or an all-reduce across ranks). `quantile(q)` reads the q-quantile per column by
     linear interpolation inside the bin where the cumulative count reaches `q * total`; it lies within one bin width
     of the exact quantile. `refine(q)` gives the histogram of that bin, for a second pass `num_bins` times finer.
     """
 
-    def __init__(self, num_experts: int, num_bins: int, low: torch.Tensor | float, high: torch.Tensor | float,
+    def __init__(self, num_columns: int, num_bins: int, low: torch.Tensor | float, high: torch.Tensor | float,
                  device=None):
         low = torch.as_tensor(low, dtype=torch.float64, device=device)
         high = torch.as_tensor(high, dtype=torch.float64, device=device)
         if num_bins < 1:
             raise ValueError(f"num_bins must be positive, got {num_bins}")
-        if low.shape not in ((), (num_experts,)) or high.shape != low.shape:
-            raise ValueError(f"low and high must be scalars or [{num_experts}], got {tuple(low.shape)} and "
+        if low.shape not in ((), (num_columns,)) or high.shape != low.shape:
+            raise ValueError(f"low and high must be scalars or [{num_columns}], got {tuple(low.shape)} and "
                              f"{tuple(high.shape)}")
         self.num_bins = num_bins
-        self.low, self.high = low, high
-        self.width = (high - low) / num_bins
-        self.counts = torch.zeros(num_experts, num_bins, dtype=torch.int64, device=low.device)
+        self.low, self.high = low.expand(num_columns), high.expand(num_columns)
+        self.width = (self.high - self.low) / num_bins
+        self.counts = torch.zeros(num_columns, num_bins, dtype=torch.int64, device=low.device)
 
     def add(self, r: torch.Tensor, token_mask: torch.Tensor | None = None) -> None:
-        """Accumulate `r [N, E]`, only the rows where `token_mask [N]` (bool) is True when it is given."""
-        if r.dim() != 2 or r.shape[1] != self.counts.shape[0]:
-            raise ValueError(f"r must be [N, {self.counts.shape[0]}], got {tuple(r.shape)}")
-        self.add_ordered(*_ordered_columns(r.t(), token_mask))
-
-    def add_ordered(self, ordered: torch.Tensor, counts: torch.Tensor) -> None:
-        """Accumulate the first `counts [E]` values of each row of `ordered [E, N]` (sorted ascending). A binary
-        search per bin edge counts the values below it: no atomics, so a window whose values crowd into a few bins
-        (the refined pass) costs no more than any other."""
-        num_experts, inner = self.counts.shape[0], torch.arange(1, self.num_bins, device=self.counts.device)
-        edges = self.low.reshape(-1, 1) + inner * self.width.reshape(-1, 1)  # [E or 1, num_bins - 1]
-        below = torch.searchsorted(ordered, edges.to(ordered.dtype).expand(num_experts, -1).contiguous())
-        cumulative = torch.cat([below, counts[:, None]], dim=1)  # +inf (masked) values lie below no edge
-        self.counts += torch.diff(cumulative, dim=1, prepend=torch.zeros_like(counts[:, None]))
+        """Accumulate `r [..., N, E]` (the leading dims and E make the columns), only the rows where `token_mask`
+        (bool `[..., N]` or `[N]`) is True when it is given."""
+        num_columns = self.counts.shape[0]
+        if r.dim() < 2 or r[..., 0, :].numel() != num_columns:
+            raise ValueError(f"r must be [..., N, E] with {num_columns} columns in all, got {tuple(r.shape)}")
+        shape = (*r.shape[:-2], 1, r.shape[-1])
+        bins = ((r.double() - self.low.view(shape)) / self.width.view(shape)).floor_().clamp_(0, self.num_bins - 1)
+        flat = bins.long() + torch.arange(num_columns, device=r.device).view(shape) * self.num_bins
+        ones = torch.ones_like(flat) if token_mask is None else token_mask.long().unsqueeze(-1).expand_as(flat)
+        self.counts.view(-1).scatter_add_(0, flat.reshape(-1), ones.reshape(-1))
 
     def _locate(self, q: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Per expert, the bin `[E, 1]` where the cumulative count reaches `q * total` and the fraction `[E, 1]` of
@@ -715,15 +698,18 @@ def apply_balancing(blocks: list[KDAMoESparseMoeBlock]) -> list[dict]:
             groups.setdefault(("quantile", logits[0].shape), []).append(p)
         elif block.balancing == "loss_free":
             groups.setdefault(("loss_free", block.loss_free_update_rate), []).append(p)
+    rows = loads.unbind(0)  # per block, as views (indexing by a host list would copy the list to the device)
     for (mode, setting), members in groups.items():
         if mode == "quantile":
             size = max(1, BALANCE_GROUP_ELEMENTS // max(1, setting[0] * setting[1]))
             for first in range(0, len(members), size):
                 part = members[first : first + size]
-                _quantile_update([pending[p][1:] for p in part], loads[part], counted[part], distributed)
+                _quantile_update([pending[p][1:] for p in part], torch.stack([rows[p] for p in part]), distributed)
         else:
             biases = torch.stack([pending[p][1].router.bias for p in members])
-            new = torch.where(counted[members, None], loss_free_balance(loads[members], biases, setting), biases)
+            part_loads = torch.stack([rows[p] for p in members])
+            new = loss_free_balance(part_loads, biases, setting)
+            new = torch.where(part_loads.sum(-1, keepdim=True) > 0, new, biases)
             for row, p in enumerate(members):
                 pending[p][1].router.bias.copy_(new[row])
     mean = loads.double().mean(-1)
@@ -738,9 +724,9 @@ def apply_balancing(blocks: list[KDAMoESparseMoeBlock]) -> list[dict]:
 BALANCE_GROUP_ELEMENTS = 1 << 26  # thresholds per batched Quantile Balancing update (float64, a few such buffers)
 
 
-def _quantile_update(pending, loads: torch.Tensor, counted: torch.Tensor, distributed: bool) -> None:
+def _quantile_update(pending, loads: torch.Tensor, distributed: bool) -> None:
     """One batched Quantile Balancing update of the blocks in `pending` (`(block, window)` pairs with windows of the
-    same shape; `loads [L, E]`, `counted [L]`): the logits rescored by `_logit_drift`, then `balanced_bias`."""
+    same shape; `loads [L, E]`): the logits rescored by `_logit_drift`, then `balanced_bias`."""
     blocks = [block for block, _ in pending]
     logits = torch.stack([window[1][0] for _, window in pending])  # [L, N, E] fp32
     real = torch.stack([window[1][1] for _, window in pending])  # [L, N] bool
@@ -750,7 +736,7 @@ def _quantile_update(pending, loads: torch.Tensor, counted: torch.Tensor, distri
     bias = torch.stack([block.router.bias for block in blocks])
     new = balanced_bias(scores, bias, first.top_k, first.quantile_iterations, first.quantile_num_bins, real,
                         torch.distributed.all_reduce if distributed else None)
-    new = torch.where(counted[:, None], new, bias.double())
+    new = torch.where(loads.sum(-1, keepdim=True) > 0, new, bias.double())  # all tokens masked: keep the bias
     for row, block in enumerate(blocks):
         block.router.bias.copy_(new[row])
 
