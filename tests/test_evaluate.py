@@ -170,3 +170,32 @@ def test_bad_inputs(tmp_path, model_dir):
         ev.evaluate(tmp_path, tmp_path / "out")
     with pytest.raises(ValueError, match="position-rows"):
         ev.evaluate(model_dir, tmp_path / "out", ev.EvalSettings(position_rows=0))
+
+
+def test_next_token_losses_in_chunks_equal_the_full_logits(loaded):
+    model = loaded[0]
+    ids = torch.randint(3, model.config.vocab_size, (1, 50))
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, :-1]
+        expected = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none")
+        torch.testing.assert_close(ev.next_token_losses(model, ids, chunk=7), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_max_context_caps_every_part_and_reports_resources(model_dir, tmp_path):
+    """kdamoe-eval --max-context 128 on a model trained on rows of 64: the default lengths scale with 64 and stop at
+    128; every part reports its seconds (and no peak memory: on CUDA only); --no-plots writes eval.json alone."""
+    ev.main([str(model_dir), "--output-dir", str(tmp_path / "eval"), "--max-context", str(2 * TRAIN_LEN), "--rows", "2",
+             "--position-rows", "1", "--position-bins", "4", "--passkey-depths", "0.5", "--passkey-trials", "1",
+             "--decode-tokens", "2", "--device", "cpu", "--no-progress", "--no-plots"])
+    assert sorted(p.name for p in (tmp_path / "eval").iterdir()) == ["eval.json"]
+    out = json.loads((tmp_path / "eval" / "eval.json").read_text())
+    s = out["settings"]
+    assert s["position_length"] == 2 * TRAIN_LEN == out["length_extrapolation"]["length"]
+    assert s["passkey_lengths"] == [TRAIN_LEN // 2, TRAIN_LEN, 2 * TRAIN_LEN] == out["passkey"]["target_lengths"]
+    assert s["speed_lengths"] == [TRAIN_LEN, 2 * TRAIN_LEN] == [r["context"] for r in out["speed"]["results"]]
+    assert set(out["resources"]) == {"heldout", "length_extrapolation", "passkey", "speed"}
+    for part in out["resources"].values():
+        assert part["seconds"] > 0 and part["peak_memory_gib"] is None
+    assert [r["length"] for r in out["passkey"]["resources_by_length"]] == s["passkey_lengths"]
+    with pytest.raises(ValueError, match="max-context"):
+        ev.evaluate(model_dir, tmp_path / "bad", ev.EvalSettings(max_context=128, passkey_lengths=[256]))

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kdamoe import KDAMoEConfig, KDAMoEForCausalLM, hub_card
+from kdamoe import train as train_module
 from kdamoe.data import validation_rows, load_corpus
 from kdamoe.quickstart import generate_in_fresh_process
 from kdamoe.train import (learning_rate, param_groups, parse_stages, plan_stages, rescale_stages, resolve_settings,
@@ -110,9 +111,35 @@ def test_resume_equals_uninterrupted(setup):
                                                 rel=1e-6)
     # the staged schedule kept tokens per step: 4 rows of 32 then 2 rows of 64
     assert [r["tokens"] for r in a] == [128 * i for i in range(1, 9)]
+    stages = json.loads((full / "final" / "training_info.json").read_text())["stage_summary"]
+    assert [(s["stage"], s["seq_len"], s["steps"]) for s in stages] == [(0, 32, 4), (1, 64, 4)]
+    for s, rows in zip(stages, (a[:4], a[4:])):
+        assert (s["loss_first"], s["loss_last"]) == (rows[0]["loss"], rows[-1]["loss"]) and s["loss_finite"]
+        middle = sorted(r["tokens_per_second"] for r in rows)[1:3]  # the median of 4 steps
+        assert s["tokens_per_second"] == pytest.approx(sum(middle) / 2)
+        assert s["peak_memory_gib"] is None  # measured on CUDA only
     # a checkpoint from a different config is refused
     with pytest.raises(ValueError, match="different config"):
         run(setup, part, *flags, "--resume", "--lr", "5e-3")
+
+
+def test_offloaded_activations_train_as_without(setup, tmp_path, monkeypatch):
+    """--offload-activations wraps every forward in HostOffload (here taking CPU tensors as the device's, so the
+    layers' inputs really go through host copies): the same losses as checkpointing alone."""
+    made = []
+
+    class CPUOffload(train_module.HostOffload):
+        def __init__(self):
+            super().__init__(min_bytes=0, device_types=("cpu",))
+            made.append(self)
+
+    monkeypatch.setattr(train_module, "HostOffload", CPUOffload)
+    flags = ("--stages", "32:3", "--gradient-checkpointing")
+    run(setup, tmp_path / "plain", *flags)
+    run(setup, tmp_path / "offload", *flags, "--offload-activations")
+    assert len(made) == 3 and all(hooks.offloaded_bytes > 0 for hooks in made)
+    assert [r["loss"] for r in metrics(tmp_path / "offload")] == pytest.approx(
+        [r["loss"] for r in metrics(tmp_path / "plain")], rel=1e-6, abs=0)
 
 
 def test_output_dir_and_input_errors(setup, base_run, tmp_path):
@@ -211,6 +238,18 @@ def test_max_steps_scales_the_warmup_with_the_stages(tmp_path):
     assert resolved("--stages", "256:300", "--max-steps", "40") == ("256:300", 30)  # stops early in the same run
     s = {"lr": 1.0, "warmup_steps": 4, "min_lr_ratio": 0.1, "schedule": "cosine", "wsd_decay_fraction": 0.2}
     assert [learning_rate(i, 40, s) for i in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+
+
+def test_staged_million_token_config(tmp_path):
+    """configs/small_staged_1m.json: the small preset from 8K to 1M tokens a row, one row a step past 64K, with
+    checkpointed layers whose inputs wait in host memory."""
+    config = Path(__file__).parents[1] / "configs" / "small_staged_1m.json"
+    settings, model_kwargs, limits = resolve_settings(["--config", str(config), "--output-dir", str(tmp_path)])
+    plans = plan_stages(parse_stages(settings["stages"], limits["max_seq_len"]), settings["micro_batch_size"],
+                        settings["grad_accum"], world=1)
+    assert [p.seq_len for p in plans] == [8192, 65536, 262144, 1 << 20]
+    assert [p.rows(1) * p.seq_len for p in plans] == [65536, 65536, 262144, 1 << 20]
+    assert settings["gradient_checkpointing"] and settings["offload_activations"] and settings["preset"] == "small"
 
 
 def test_schedule_plan_and_no_decay_groups():

@@ -10,6 +10,12 @@
 #   torch.compile and offsets past 2^31; `MODEL=1 REST=0 MODEL_TEST_S=0 ...` (~6 min): benchmarks/bench_model.py
 #   (ours against fla's model; MODEL_ROWS picks rows), fla's autotuning packed again (a limit of 0 skips a part);
 #   `PROFILE=1 REST=0 ...`: benchmarks/profile_ops.py (kernel tables, ours vs fla-core; autotunes fla again);
+#   `LONG=1 REST=0 bash tools/gpu_suite.sh` (~7 min; carry .gpu/tok32k and .gpu/fla_autotune.tgz): million-token
+#   contexts, each part under its own limit (LONG_TEST_S, LONG_BENCH_S, LONG_TRAIN_S, LONG_EVAL_S; 0 skips it):
+#   tests/test_long_context.py (a 1M-token prefill and 32 cached decode steps per kind of config),
+#   benchmarks/bench_long_context.py (1M prefill of the twin and the hybrid MoE, SDPA alone, decode after 4K vs 1M,
+#   the twin's 1M training step against fla's), the `small` preset trained 8K -> 64K -> 256K -> 1M
+#   (configs/small_staged_1m.json) and kdamoe-eval of it up to 1M tokens; all printed to $OUT/long.log;
 #   `bash tools/gpu_suite.sh` (REST, ~5 min): CUDA-only MoE tests, benchmarks/bench_moe.py, a short `small`-preset
 #   training run for tokens/s and MFU, and a torch.profiler table of one `small` training step
 #   (benchmarks/profile_step.py).
@@ -60,6 +66,40 @@ fi
 if [ "${PROFILE:-0}" = 1 ]; then
   echo "== per-kernel tables (ours vs fla-core, MoE experts and block)"
   (cd benchmarks && python3 profile_ops.py --out "$OUT/profile_ops.json" 2>&1 | grep -v -i warn > "$OUT/profile_ops.log")
+fi
+
+if [ "${LONG:-0}" = 1 ]; then
+  [ -f .gpu/fla_autotune.tgz ] && mkdir -p ~/.triton/cache && tar xzf .gpu/fla_autotune.tgz -C ~/.triton/cache
+  export TQDM_DISABLE=1
+  {
+    if [ "${LONG_TEST_S:-120}" != 0 ]; then
+      echo "== tests/test_long_context.py: 1M-token prefill, 32 cached decode steps, cached = uncached, per config"
+      timeout "${LONG_TEST_S:-120}" python3 -m pytest -q -p no:cacheprovider --tb=short tests/test_long_context.py \
+        2>&1 | tail -30
+    fi
+    if [ "${LONG_BENCH_S:-180}" != 0 ]; then
+      echo "== bench_long_context: 1M prefill, SDPA, decode after 4K vs 1M, 1M training step (ours, fla)"
+      timeout "${LONG_BENCH_S:-180}" python3 benchmarks/bench_long_context.py --out "$OUT/long_context.json" 2>&1 \
+        | grep -v -i warn | tail -22
+    fi
+    if [ "${LONG_TRAIN_S:-150}" != 0 ]; then
+      echo "== kdamoe-train --config configs/small_staged_1m.json: 8K -> 64K -> 256K -> 1M tokens a row"
+      rm -rf /tmp/staged
+      timeout "${LONG_TRAIN_S:-150}" python3 -m kdamoe.train --config configs/small_staged_1m.json \
+        --tokenizer .gpu/tok32k --output-dir /tmp/staged 2>&1 | grep -v -i warn | tail -15
+      cp /tmp/staged/metrics.jsonl "$OUT/staged_metrics.jsonl" 2>/dev/null
+      cp /tmp/staged/final/training_info.json "$OUT/staged_info.json" 2>/dev/null
+    fi
+    if [ "${LONG_EVAL_S:-120}" != 0 ] && [ -d /tmp/staged/final ]; then
+      # the whole corpus: its held-out split (390K tokens with tok32k) is shorter than one 1M-token row
+      echo "== kdamoe-eval --max-context 1048576 of the staged model"
+      timeout "${LONG_EVAL_S:-120}" python3 -m kdamoe.evaluate /tmp/staged/final --output-dir /tmp/staged_eval \
+        --max-context 1048576 --split all --rows 4 --position-rows 1 --position-bins 16 \
+        --passkey-lengths 65536,1048576 --passkey-depths 0.5 --passkey-trials 1 --speed-lengths 65536,1048576 \
+        --decode-tokens 16 --no-progress --no-plots 2>&1 | grep -v -i warn | tail -6
+      cp /tmp/staged_eval/eval.json "$OUT/staged_eval.json" 2>/dev/null
+    fi
+  } 2>&1 | tee "$OUT/long.log"
 fi
 
 if [ "${REST:-1}" = 1 ]; then

@@ -19,6 +19,13 @@ Parts (each a top-level key of `eval.json`; every size is a flag, so tests can r
   j = block j, or its running partial sum while open); `attnres_depth_weights.png`.
 - `speed`: prefill tokens/s, decode tokens/s with the cache, and the bytes the cache holds (KDA conv + recurrent
   state vs attention keys/values) against context length; `speed.png`.
+- `resources`: the seconds and, on CUDA, the peak allocated memory of each part.
+
+Long contexts: `--max-context N` caps every length the parts use at N tokens (the defaults, which scale with the
+training length, are cut to it; a length given above it is an error), so `--max-context 1048576` evaluates a model
+trained on 1M-token rows at 1M and not beyond. No part makes `[tokens, vocab]` logits of a long row: the loss by
+position runs the LM head over the final hidden states in chunks of `LOSS_CHUNK` positions, the passkey part keeps
+the logits of the answer only, the speed part those of the last position.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ PASSKEY_TEMPLATES = {
         " {key}",
     ),
 }
+LOSS_CHUNK = 16384  # positions per LM-head chunk of the loss by position (32K vocab: 2 GiB of fp32 logits)
 LM_EVAL_TASK_DIR = Path(__file__).parent / "lm_eval_tasks"  # lm-evaluation-harness `--include_path` of the local task
 PLOTS = {
     "length_extrapolation": "loss_by_position.png",
@@ -87,6 +95,7 @@ class EvalSettings:
     passkey_style: str = "code"
     speed_lengths: list[int] | None = None  # fallback training length x (1, 2, 4, 8)
     decode_tokens: int = 32
+    max_context: int | None = None  # the longest context any part uses (None: no cap)
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 0
@@ -145,6 +154,31 @@ def cache_bytes(cache) -> list[int]:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class Resources:
+    """Context manager measuring a block of work on `device`: `seconds` of wall time (the device synchronised at
+    both ends) and, on CUDA, `peak_gib`, the peak allocated memory during it (None elsewhere)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds = self.peak_gib = None
+
+    def __enter__(self) -> "Resources":
+        _sync(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _sync(self.device)
+        self.seconds = time.perf_counter() - self._start
+        if self.device.type == "cuda":
+            self.peak_gib = torch.cuda.max_memory_allocated(self.device) / 2**30
+
+    def as_dict(self) -> dict:
+        return {"seconds": self.seconds, "peak_memory_gib": self.peak_gib}
 
 
 def _json_default(value):
@@ -297,15 +331,27 @@ def long_rows(ds, tokenizer, length: int, rows: int) -> tuple[torch.Tensor, int]
 
 
 @torch.no_grad()
+def next_token_losses(model, ids: torch.Tensor, chunk: int = LOSS_CHUNK) -> torch.Tensor:
+    """Next-token loss at every position of one row `ids [1, T]` -> `[T - 1]` fp32: the decoder's final hidden states,
+    then the LM head `chunk` positions at a time, so no `[T, vocab]` logits exist (1M tokens x 32K vocab in fp32 is
+    128 GiB)."""
+    hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
+    targets = ids[0, 1:]
+    losses = torch.empty(targets.shape, dtype=torch.float32, device=ids.device)
+    for a in range(0, targets.numel(), chunk):
+        logits = model.lm_head(hidden[a:a + chunk]).float()
+        losses[a:a + chunk] = F.cross_entropy(logits, targets[a:a + chunk], reduction="none")
+    return losses
+
+
+@torch.no_grad()
 def length_extrapolation(model, rows: torch.Tensor, from_documents: int, train_length: int, bins: int, device,
                          bar) -> dict:
     """Mean next-token loss by position over `rows [N, P]` (one forward each), in `bins` equal position bins."""
     length = rows.shape[1]
     total = torch.zeros(length - 1, dtype=torch.float64)
     for row in rows:
-        ids = row[None].to(device)
-        logits = model(input_ids=ids, use_cache=False).logits[0, :-1].float()
-        total += F.cross_entropy(logits, ids[0, 1:], reduction="none").double().cpu()
+        total += next_token_losses(model, row[None].to(device)).double().cpu()
         bar.update(1)
     per_position = total / rows.shape[0]
     edges = np.linspace(0, length - 1, min(bins, length - 1) + 1).round().astype(int)
@@ -344,27 +390,34 @@ def passkey(model, tokenizer, lengths: list[int], depths: list[float], trials: i
             bar) -> dict:
     """Greedy exact-match accuracy of the hidden number; `accuracy[i][j]` is for lengths[i] and depths[j]."""
     rng = np.random.default_rng(seed)
-    accuracy, logprob, actual = [], [], []
+    accuracy, logprob, actual, per_length = [], [], [], []
     for length in lengths:
         acc_row, lp_row, sizes = [], [], []
-        for depth in depths:
-            hits, lps = 0, []
-            for _ in range(trials):
-                prompt, answer = passkey_example(tokenizer, style, length, depth, int(rng.integers(10_000, 100_000)))
-                ids = torch.tensor([prompt + answer], device=device)
-                logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1:-1].float()
-                target = ids[0, len(prompt):]
-                hits += int(bool((logits.argmax(-1) == target).all()))
-                lps.append(float(logits.log_softmax(-1).gather(1, target[:, None]).sum()))
-                sizes.append(ids.shape[1])
-                bar.update(1)
-            acc_row.append(hits / trials)
-            lp_row.append(float(np.mean(lps)))
+        with Resources(device) as used:
+            for depth in depths:
+                hits, lps = 0, []
+                for _ in range(trials):
+                    prompt, answer = passkey_example(tokenizer, style, length, depth,
+                                                     int(rng.integers(10_000, 100_000)))
+                    ids = torch.tensor([prompt + answer], device=device)
+                    # the logits predicting the answer only: positions len(prompt) - 1 ... T - 2
+                    logits = model(input_ids=ids, use_cache=False, logits_to_keep=len(answer) + 1).logits
+                    logits = logits[0, :-1].float()
+                    target = ids[0, len(prompt):]
+                    hits += int(bool((logits.argmax(-1) == target).all()))
+                    lps.append(float(logits.log_softmax(-1).gather(1, target[:, None]).sum()))
+                    sizes.append(ids.shape[1])
+                    bar.update(1)
+                acc_row.append(hits / trials)
+                lp_row.append(float(np.mean(lps)))
         accuracy.append(acc_row)
         logprob.append(lp_row)
         actual.append(int(np.mean(sizes)))
+        per_length.append({"length": length, "seconds_per_trial": used.seconds / len(sizes),
+                           "peak_memory_gib": used.peak_gib})
     return {"style": style, "target_lengths": lengths, "lengths": actual, "depths": depths, "trials": trials,
-            "accuracy": accuracy, "answer_logprob": logprob, "mean_accuracy": float(np.mean(accuracy))}
+            "accuracy": accuracy, "answer_logprob": logprob, "mean_accuracy": float(np.mean(accuracy)),
+            "resources_by_length": per_length}
 
 
 @torch.no_grad()
@@ -378,14 +431,12 @@ def speed(model, lengths: list[int], decode_tokens: int, device, bar) -> dict:
                  logits_to_keep=1)
     for _ in range(min(2, decode_tokens)):
         model(input_ids=warm.logits[:, -1:].argmax(-1), past_key_values=_cache_of(warm), use_cache=True)
+    del warm
     results = []
     for length in lengths:
         ids = torch.randint(0, vocab, (1, length), generator=gen).to(device)
-        _sync(device)
-        t0 = time.perf_counter()
-        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        _sync(device)
-        prefill_s = time.perf_counter() - t0
+        with Resources(device) as prefill:
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
         cache = _cache_of(out)
         per_layer = cache_bytes(cache)
         kda_before = sum(b for b, t in zip(per_layer, layer_types) if t == "linear_attention")
@@ -401,11 +452,13 @@ def speed(model, lengths: list[int], decode_tokens: int, device, bar) -> dict:
         kda = sum(b for b, t in zip(per_layer_after, layer_types) if t == "linear_attention")
         attn = sum(b for b, t in zip(per_layer_after, layer_types) if t == "full_attention")
         results.append({
-            "context": length, "prefill_tokens_per_s": length / prefill_s,
+            "context": length, "prefill_tokens_per_s": length / prefill.seconds,
+            "prefill_peak_memory_gib": prefill.peak_gib,
             "decode_tokens_per_s": decode_tokens / decode_s if decode_tokens else None,
             "cache_bytes_kda": kda, "cache_bytes_attention": attn, "cache_bytes_kda_after_prefill": kda_before,
             "cache_tokens": length + decode_tokens,
         })
+        del out, cache  # before the next length's prefill: one cache at a time
         bar.update(1)
     return {"device": str(device), "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
             "batch_size": 1, "decode_tokens": decode_tokens, "results": results}
@@ -496,7 +549,20 @@ def write_plots(report: dict, output_dir: Path) -> dict[str, str]:
 
 
 def _resolve(settings: EvalSettings, info: dict) -> EvalSettings:
-    """Fill the None fields of `settings` from the run record `info` (or the fallbacks)."""
+    """Fill the None fields of `settings` from the run record `info` (or the fallbacks); with `max_context`, cut the
+    default lengths to it and refuse lengths given above it."""
+    if settings.max_context is not None and settings.max_context < 2:
+        raise UsageError(f"--max-context must be >= 2, got {settings.max_context}")
+    cap = settings.max_context or math.inf
+    for name in ("seq_len", "position_length", "passkey_lengths", "speed_lengths"):
+        value = getattr(settings, name)
+        longest = max(value, default=0) if isinstance(value, list) else value or 0
+        if longest > cap:
+            raise UsageError(f"--{name.replace('_', '-')} asks for {longest} tokens, above --max-context {cap}")
+
+    def capped(lengths: list[int]) -> list[int]:
+        return sorted({min(n, cap) for n in lengths})
+
     s = EvalSettings(**asdict(settings))
     run = info.get("settings", {})
     stages = info.get("stages") or []
@@ -509,12 +575,12 @@ def _resolve(settings: EvalSettings, info: dict) -> EvalSettings:
     s.split = s.split or "validation"
     s.validation_fraction = s.validation_fraction or run.get("validation_fraction") or 0.05
     s.text_column = s.text_column or run.get("text_column") or "text"
-    s.seq_len = s.seq_len or first_length or 512
+    s.seq_len = s.seq_len or min(first_length or 512, cap)
     s.rows = s.rows or run.get("val_rows") or 32
     base = train_length or s.seq_len
-    s.position_length = s.position_length or 4 * base
-    s.passkey_lengths = s.passkey_lengths or [max(16, base // 2), base, 2 * base, 4 * base]
-    s.speed_lengths = s.speed_lengths or [base, 2 * base, 4 * base, 8 * base]
+    s.position_length = s.position_length or min(4 * base, cap)
+    s.passkey_lengths = s.passkey_lengths or capped([max(16, base // 2), base, 2 * base, 4 * base])
+    s.speed_lengths = s.speed_lengths or capped([base, 2 * base, 4 * base, 8 * base])
     for name in ("seq_len", "rows", "batch_size", "position_length", "position_rows", "position_bins",
                  "passkey_trials"):
         if getattr(s, name) < 1:
@@ -571,17 +637,27 @@ def evaluate(path: str | Path, output_dir: str | Path, settings: EvalSettings | 
     n_batches = math.ceil(val["input_ids"].shape[0] / s.batch_size)
     total = (n_batches + long.shape[0] + len(s.passkey_lengths) * len(s.passkey_depths) * s.passkey_trials
              + len(s.speed_lengths))
+    resources = {}
     with tqdm(total=total, desc="kdamoe-eval", disable=not progress, dynamic_ncols=True) as bar:
         bar.set_postfix_str("held-out loss")
-        report = heldout_metrics(model, tokenizer, val, s.batch_size, device, bar)
+        with Resources(device) as used:
+            report = heldout_metrics(model, tokenizer, val, s.batch_size, device, bar)
+        resources["heldout"] = used.as_dict()
         bar.set_postfix_str("loss by position")
-        report["length_extrapolation"] = length_extrapolation(model, long, from_docs, train_length, s.position_bins,
-                                                              device, bar)
+        with Resources(device) as used:
+            report["length_extrapolation"] = length_extrapolation(model, long, from_docs, train_length,
+                                                                  s.position_bins, device, bar)
+        resources["length_extrapolation"] = used.as_dict()
         bar.set_postfix_str("passkey")
-        report["passkey"] = passkey(model, tokenizer, s.passkey_lengths, s.passkey_depths, s.passkey_trials,
-                                    s.passkey_style, s.seed, device, bar)
+        with Resources(device) as used:
+            report["passkey"] = passkey(model, tokenizer, s.passkey_lengths, s.passkey_depths, s.passkey_trials,
+                                        s.passkey_style, s.seed, device, bar)
+        resources["passkey"] = used.as_dict()
         bar.set_postfix_str("speed")
-        report["speed"] = speed(model, s.speed_lengths, s.decode_tokens, device, bar)
+        with Resources(device) as used:
+            report["speed"] = speed(model, s.speed_lengths, s.decode_tokens, device, bar)
+        resources["speed"] = used.as_dict()
+    report["resources"] = resources
 
     report["perplexity"]["dataset"] = s.dataset
     report["perplexity"]["split"] = s.split
@@ -629,10 +705,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--passkey-style", choices=sorted(PASSKEY_TEMPLATES), default=d.passkey_style)
     p.add_argument("--speed-lengths", type=_ints, help="comma-separated contexts (default train x 1,2,4,8)")
     p.add_argument("--decode-tokens", type=int, default=d.decode_tokens)
+    p.add_argument("--max-context", type=int,
+                   help="the longest context any part uses: the defaults are capped at it, longer lengths refused")
     p.add_argument("--device", default=d.device, help="auto: cuda when available, else cpu")
     p.add_argument("--dtype", default=d.dtype, help="auto: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-plots", action="store_true", help="write eval.json only (no matplotlib needed)")
     return p
 
 
@@ -644,7 +723,8 @@ def main(argv: list[str] | None = None) -> None:
 def _main(argv: list[str] | None) -> None:
     args = vars(build_parser().parse_args(argv))
     path, output_dir, quiet = args.pop("path"), args.pop("output_dir"), args.pop("no_progress")
-    report = evaluate(path, output_dir, EvalSettings(**args), progress=not quiet)
+    plots = not args.pop("no_plots")
+    report = evaluate(path, output_dir, EvalSettings(**args), progress=not quiet, plots=plots)
     ppl, bpb, pk = report["perplexity"], report["bits_per_byte"], report["passkey"]
     print(f"perplexity {ppl['value']:.3f} (loss {ppl['loss']:.4f} nats/token over {ppl['tokens']} tokens), "
           f"{bpb['value']:.4f} bits/byte; passkey accuracy {pk['mean_accuracy']:.2f}")
@@ -654,8 +734,8 @@ def _main(argv: list[str] | None) -> None:
     print(f"wrote {Path(output_dir) / 'eval.json'} and {len(report['plots'])} plots")
 
 
-__all__ = ["LM_EVAL_TASK_DIR", "EvalSettings", "attnres_source_layout", "cache_bytes", "evaluate", "main",
-           "passkey_example", "token_byte_lengths"]
+__all__ = ["LM_EVAL_TASK_DIR", "EvalSettings", "Resources", "attnres_source_layout", "cache_bytes", "evaluate", "main",
+           "next_token_losses", "passkey_example", "token_byte_lengths"]
 
 if __name__ == "__main__":
     main()

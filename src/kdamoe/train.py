@@ -29,7 +29,14 @@ or `attn_res` (see `param_groups`). Learning rate: linear warmup then cosine to 
 (warmup, constant, linear decay over the last `wsd_decay_fraction` of the steps), a pure function of the step.
 `model.apply_load_balancing()` runs once per optimizer step, after `optimizer.step()`.
 
-**Outputs** in `--output-dir`: `run_config.json`, `metrics.jsonl` (one JSON line per optimizer step),
+**Long contexts.** `--gradient-checkpointing` recomputes each decoder layer in the backward, keeping only its input;
+`--offload-activations` keeps those inputs in pinned host memory until the backward (`kdamoe.offload.HostOffload`).
+Packed rows of any length attend within their documents (per document past `DENSE_MASK_ELEMENTS`, see
+`model_inputs.build_attention_mask`). `configs/small_staged_1m.json` runs the `small` preset 8K -> 64K -> 256K -> 1M
+tokens a row on one GPU.
+
+**Outputs** in `--output-dir`: `run_config.json`, `metrics.jsonl` (one JSON line per optimizer step; on CUDA with
+the step's peak allocated memory, `peak_memory_gib`),
 `tensorboard/`, `tokenizer/`, `checkpoints/step_XXXXXXXX` (`accelerator.save_state`, written to a hidden temp
 dir and renamed when complete) and `final/` (`save_pretrained` + tokenizer + generation config +
 `training_info.json`). `--resume` on a finished run changes nothing; one that trains further rewrites `final/` but
@@ -61,6 +68,7 @@ from tqdm.auto import tqdm
 from .data import (STDLIB, CorpusStream, PackedBatches, describe_corpus, load_corpus, rows_to_batch, unigram_entropy,
                    validation_rows)
 from .errors import UsageError, check_safetensors, run_cli
+from .offload import HostOffload
 from .presets import PRESETS, get_preset
 
 NO_DECAY_MARKERS = ("A_log", "dt_bias", "norm", "attn_res")
@@ -68,13 +76,14 @@ CHECKPOINT_PATTERN = re.compile(r"^step_(\d{8})$")
 RUN_ARTEFACTS = ("run_config.json", "metrics.jsonl", "checkpoints", "final", "tokenizer", "tensorboard")
 # Flags that may differ between an interrupted run and its --resume (everything else must match).
 RESUME_FREE = {"max_steps", "save_every", "keep_checkpoints", "resume", "overwrite", "eval_every", "output_dir",
-               "threads"}
+               "threads", "offload_activations"}
 DEFAULTS = dict(
     dataset=STDLIB, validation_dataset=None, text_column="text", streaming=False, validation_fraction=0.05,
     tokenizer=None, tokenizer_vocab_size=None, stages=None, max_steps=None, micro_batch_size=8, grad_accum=1, lr=1e-3,
     min_lr_ratio=0.1, weight_decay=0.1, beta1=0.9, beta2=0.95, adam_eps=1e-8, warmup_steps=100,
     schedule="cosine", wsd_decay_fraction=0.2, max_grad_norm=1.0, save_every=0, keep_checkpoints=2,
     seed=0, val_rows=32, eval_every=0, shuffle_window_tokens=1 << 20, threads=0, mixed_precision="auto", gradient_checkpointing=False,
+    offload_activations=False,
 )
 
 
@@ -123,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int)
     t.add_argument("--mixed-precision", choices=("auto", "no", "bf16"), help="auto: bf16 on GPU, fp32 on CPU")
     t.add_argument("--gradient-checkpointing", action="store_true", default=None)
+    t.add_argument("--offload-activations", action="store_true", default=None,
+                   help="keep the activations saved for the backward in host memory (with --gradient-checkpointing: "
+                        "the layers' inputs; see kdamoe.offload)")
     t.add_argument("--threads", type=int, help="CPU threads for torch (0: torch's default, one per core)")
     o = p.add_argument_group("checkpoints and logging")
     o.add_argument("--save-every", type=int, help="checkpoint every N optimizer steps (0: only at the end)")
@@ -346,6 +358,21 @@ def evaluate(model, accelerator: Accelerator, val: dict[str, torch.Tensor], micr
     return float(total[0] / total[1])
 
 
+def stage_summary(records: list[dict]) -> list[dict]:
+    """Per stage of a run's `metrics.jsonl` records: its row length and steps, the median tokens/s of its steps (the
+    first step of a process also compiles kernels), the largest peak memory of a step (CUDA runs; else None), its
+    first and last losses and whether every loss of the stage is finite."""
+    out = []
+    for stage in sorted({r["stage"] for r in records}):
+        rows = [r for r in records if r["stage"] == stage]
+        peaks = [r["peak_memory_gib"] for r in rows if "peak_memory_gib" in r]
+        out.append({"stage": stage, "seq_len": rows[0]["seq_len"], "steps": len(rows),
+                    "tokens_per_second": float(np.median([r["tokens_per_second"] for r in rows])),
+                    "peak_memory_gib": max(peaks) if peaks else None, "loss_first": rows[0]["loss"],
+                    "loss_last": rows[-1]["loss"], "loss_finite": all(math.isfinite(r["loss"]) for r in rows)})
+    return out
+
+
 def _load_or_train_tokenizer(settings: dict, limits: dict, train_ds, accelerator: Accelerator, out: Path):
     from transformers import AutoTokenizer
 
@@ -502,12 +529,16 @@ def train(argv: list[str] | None = None, return_model: bool = False):
     accelerator.print(f"validation loss before training: {val_before:.4f} (ppl {math.exp(val_before):.1f})")
 
     rank = accelerator.process_index
+    cuda = accelerator.device.type == "cuda"
+    offload = HostOffload if settings["offload_activations"] else contextlib.nullcontext
     model.train()
     bar = tqdm(total=end_step, initial=start_step, disable=not accelerator.is_local_main_process,
                desc="train", dynamic_ncols=True)
     started = time.perf_counter()
     trained_tokens = 0
     for step in range(start_step, end_step):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(accelerator.device)
         t0 = time.perf_counter()
         plan = step_plan[step]
         rows = plan.rows(world)
@@ -522,7 +553,8 @@ def train(argv: list[str] | None = None, return_model: bool = False):
                                    accelerator.device)
             sync = micro == plan.grad_accum - 1
             with contextlib.nullcontext() if sync else accelerator.no_sync(model):
-                loss = model(**batch).loss
+                with offload():
+                    loss = model(**batch).loss
                 accelerator.backward(loss / plan.grad_accum)
             loss_sum += loss.detach()
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), settings["max_grad_norm"])
@@ -538,6 +570,8 @@ def train(argv: list[str] | None = None, return_model: bool = False):
                   "tokens": offsets[step] + step_tokens, "tokens_per_second": step_tokens / elapsed,
                   "max_vio": {str(k): float(v["max_vio"]) for k, v in balance.items()},
                   "dead_experts": {str(k): int(v["dead_experts"]) for k, v in balance.items()}}
+        if cuda:
+            record["peak_memory_gib"] = torch.cuda.max_memory_allocated(accelerator.device) / 2**30
         if settings["eval_every"] and (step + 1) % settings["eval_every"] == 0 and step + 1 < end_step:
             record["val_loss"] = evaluate(model, accelerator, val, plans[0].micro_batch)
         if accelerator.is_main_process:
@@ -564,11 +598,20 @@ def train(argv: list[str] | None = None, return_model: bool = False):
     val_after = evaluate(model, accelerator, val, plans[0].micro_batch)
     accelerator.print(f"validation loss after {end_step} steps: {val_after:.4f} (ppl {math.exp(val_after):.1f}); "
                       f"before {val_before:.4f}; unigram baseline {baseline:.4f}")
+    stages_run = []
+    if accelerator.is_main_process:
+        stages_run = stage_summary([json.loads(line) for line in metrics_path.read_text().splitlines()])
+    for st in stages_run:
+        peak = f", peak {st['peak_memory_gib']:.1f} GiB" if st["peak_memory_gib"] is not None else ""
+        accelerator.print(f"stage {st['stage']}: {st['seq_len']} tokens a row, {st['steps']} steps, "
+                          f"{st['tokens_per_second']:,.0f} tokens/s{peak}, loss {st['loss_first']:.4f} -> "
+                          f"{st['loss_last']:.4f}")
     summary = {
         "preset": settings["preset"], "settings": settings, "stages": [plan.__dict__ for plan in plans],
         "world_size": world, "mixed_precision": mixed, "parameters": n_params, "steps": end_step,
         "tokens_trained": offsets[end_step - 1] + step_plan[end_step - 1].rows(world) * step_plan[end_step - 1].seq_len,
         "train_seconds_this_process": train_seconds, "tokens_trained_this_process": trained_tokens,
+        "stage_summary": stages_run,
         "val_loss_before": val_before, "val_loss": val_after, "unigram_entropy": baseline,
         "val_tokens": int((val["labels"][:, 1:] != -100).sum()),
         "data": describe_corpus(settings["dataset"], train_ds, settings["validation_fraction"], held_out),
@@ -623,7 +666,8 @@ def main(argv: list[str] | None = None) -> None:
     run_cli("kdamoe-train", train, argv)
 
 
-__all__ = ["learning_rate", "main", "param_groups", "parse_stages", "plan_stages", "resolve_settings", "train"]
+__all__ = ["learning_rate", "main", "param_groups", "parse_stages", "plan_stages", "resolve_settings", "stage_summary",
+           "train"]
 
 if __name__ == "__main__":
     main()

@@ -75,14 +75,17 @@ class PackedDocuments:
 
     `doc_ids`: `[B, T]` global document index of each token; `cu_seqlens`: `[N + 1]` int32 offsets of the N
     documents in the flattened `[1, B*T]` sequence, on the host (the KDA kernels build their chunk tables from it
-    without a device round trip) and in `cu_seqlens_device` on the inputs' device (the short convolution reads it
-    there); `last_doc_of_row`: `[B]` the document each row ends in.
+    without a device round trip, the attention layers split long rows by it) and in `cu_seqlens_device` on the
+    inputs' device (the short convolution reads it there); `last_doc_of_row`: `[B]` the document each row ends in;
+    `last_doc_start`: `[B]` int64 on the inputs' device, the column where that document starts (a cache keeps it:
+    later tokens continue that document).
     """
 
     doc_ids: torch.Tensor
     cu_seqlens: torch.Tensor
     cu_seqlens_device: torch.Tensor
     last_doc_of_row: torch.Tensor
+    last_doc_start: torch.Tensor
 
     @classmethod
     def from_position_ids(
@@ -108,6 +111,7 @@ class PackedDocuments:
             return None
         flat = starts.flatten()
         doc_ids = (flat.cumsum(0) - 1).view_as(starts)
+        last_doc_start = torch.where(starts, torch.arange(starts.shape[1]), 0).amax(1)
         cu_seqlens = F.pad(flat.nonzero().flatten(), (0, 1), value=flat.numel()).to(torch.int32)
         device = torch.device(device)
 
@@ -116,18 +120,25 @@ class PackedDocuments:
 
         doc_ids = put(doc_ids)
         return cls(doc_ids=doc_ids, cu_seqlens=cu_seqlens, cu_seqlens_device=put(cu_seqlens),
-                   last_doc_of_row=doc_ids[:, -1])
+                   last_doc_of_row=doc_ids[:, -1], last_doc_start=put(last_doc_start))
+
+
+DENSE_MASK_ELEMENTS = 1 << 28  # the largest block-diagonal mask of packed rows; past it, attention runs per document
 
 
 def build_attention_mask(
     padding_mask: torch.Tensor | None, packed: PackedDocuments | None, seq_len: int, past_len: int, device
 ) -> torch.Tensor | None:
-    """Boolean mask `[B, 1, T, Tk]` (True = attend) for the attention layers, or None for plain causal attention.
+    """Boolean mask `[B, 1, T, Tk]` (True = attend) for the attention layers, or None: plain causal attention, or
+    for packed rows without padding whose mask would pass `DENSE_MASK_ELEMENTS` (`B * T * T`: 2^40 at 1M tokens),
+    causal attention inside each document, one call per document (`KDAMoEAttention`).
 
     `padding_mask: [B, Tk]` is the 2-D attention mask (1 = real token) over past and new tokens. Each query may
     always attend to itself, so fully padded rows never produce NaN.
     """
     if padding_mask is None and packed is None and (past_len == 0 or seq_len == 1):
+        return None
+    if padding_mask is None and packed is not None and packed.doc_ids.numel() * seq_len > DENSE_MASK_ELEMENTS:
         return None
     kv_len = past_len + seq_len
     q_pos = torch.arange(past_len, kv_len, device=device)

@@ -6,7 +6,8 @@ causal-LM head. Shapes: B batch, T new tokens, Tk attended tokens, D hidden, H h
 
 Packed sequences follow transformers' flattening convention: `position_ids` that restart at 0 mark document
 starts. KDA then runs with `cu_seqlens` (no state crosses a document), the short convolutions stop at
-document starts, and attention layers get a block-diagonal causal mask.
+document starts, and attention layers get a block-diagonal causal mask (or, for long rows, attend document by
+document). A cache filled by a packed prefill continues each row's last document.
 """
 
 import contextlib
@@ -83,11 +84,16 @@ def fused_projections(x: torch.Tensor, *groups: tuple[nn.Linear, ...]) -> tuple[
 
 class KDAMoECache(DynamicCache):
     """The stock `DynamicCache` (conv + recurrent state for KDA layers, KV for attention layers) that also counts
-    tokens itself, so that `generate` works for configs without any full-attention layer."""
+    tokens itself, so that `generate` works for configs without any full-attention layer.
+
+    `document_start` (`[B]` or None): after a packed prefill, the column where each row's last document starts.
+    KDA layers keep only that document's state, so later tokens attend to the attention layers' keys from there on.
+    """
 
     def __init__(self, config: KDAMoEConfig):
         super().__init__(config=config)
         self.num_seen_tokens = 0
+        self.document_start = None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.num_seen_tokens
@@ -250,31 +256,45 @@ class KDAMoEAttention(nn.Module):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
+        packed: PackedDocuments | None = None,
     ) -> torch.Tensor:
+        """`packed` without an `attention_mask`: packed rows too long for a block-diagonal mask
+        (`build_attention_mask`), attended one document at a time."""
         batch, seq_len, _ = hidden_states.shape
-        q = self.q_norm(self.q_proj(hidden_states).view(batch, seq_len, -1, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(hidden_states).view(batch, seq_len, -1, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(hidden_states).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+        shape = (batch, seq_len, -1, self.head_dim)
+        q = self.q_norm(self.q_proj(hidden_states).view(shape))  # [B, T, Hq, Dh]
+        k = self.k_norm(self.k_proj(hidden_states).view(shape))  # [B, T, Hkv, Dh]
+        v = self.v_proj(hidden_states).view(shape)
+        per_document = packed is not None and attention_mask is None
+        keys, values = k.transpose(1, 2), v.transpose(1, 2)
         if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)
+            keys, values = cache.update(keys, values, self.layer_idx)
 
         attention: Callable = eager_attention_forward
         if self.config._attn_implementation != "eager":
             attention = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
-        # With a cache every decode step has a new key length; cuDNN's SDPA builds an execution plan per shape
-        # (tens of milliseconds a step), the flash / memory-efficient kernels need none.
-        backends = sdpa_kernel(_CACHED_SDPA_BACKENDS) if cache is not None and q.is_cuda else contextlib.nullcontext()
+        kwargs = dict(dropout=self.config.attention_dropout if self.training else 0.0, scaling=self.scaling)
+        # With a cache every decode step has a new key length, and each document a length of its own; cuDNN's SDPA
+        # builds an execution plan per shape (tens of milliseconds), the flash / memory-efficient kernels need none.
+        shapes_vary = cache is not None or per_document
+        backends = sdpa_kernel(_CACHED_SDPA_BACKENDS) if shapes_vary and q.is_cuda else contextlib.nullcontext()
         with backends:
-            out, _ = attention(
-                self,
-                q,
-                k,
-                v,
-                attention_mask,
-                dropout=self.config.attention_dropout if self.training else 0.0,
-                scaling=self.scaling,
-            )
+            if per_document:
+                out = self._attend_per_document(attention, q, k, v, packed.cu_seqlens, kwargs)
+            else:
+                out, _ = attention(self, q.transpose(1, 2), keys, values, attention_mask, **kwargs)
         return self.o_proj(out.reshape(batch, seq_len, -1))
+
+    def _attend_per_document(self, attention, q, k, v, cu_seqlens, kwargs) -> torch.Tensor:
+        """Causal attention inside each document of packed rows, one call per document, with no `[T, T]` mask:
+        `q [B, T, Hq, Dh]`, `k, v [B, T, Hkv, Dh]`, `cu_seqlens [N + 1]` host offsets of the documents in the
+        flattened `B*T` tokens (none crosses a row) -> `[B, T, Hq, Dh]`. The documents are `split` off the
+        flattened tokens, so the backward joins their gradients in one concatenation."""
+        lengths = cu_seqlens.diff().tolist()
+        pieces = zip(*(x.flatten(0, 1).split(lengths) for x in (q, k, v)))
+        outs = [attention(self, *(x.unsqueeze(0).transpose(1, 2) for x in piece), None, **kwargs)[0]
+                for piece in pieces]  # each [1, L, Hq, Dh]
+        return torch.cat(outs, dim=1).view(q.shape)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -327,7 +347,7 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
         if self.layer_type == "linear_attention":
             x = self.mixer(x, cache=cache, packed=packed, token_mask=token_mask)
         else:
-            x = self.mixer(x, attention_mask=attention_mask, cache=cache)
+            x = self.mixer(x, attention_mask=attention_mask, cache=cache, packed=packed)
         state = state.add(x, close_block=self.close_block_after_mixer)
 
         x = self.ffn_norm(state.read(self.ffn_attn_res))
@@ -471,7 +491,14 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         packed = None
         if position_ids is not None and past_len == 0:
             packed = PackedDocuments.from_position_ids(position_ids, inputs_embeds.device, token_mask)
-        mask = build_attention_mask(padding_mask, packed, seq_len, past_len, inputs_embeds.device)
+        attended = padding_mask
+        if isinstance(cache, KDAMoECache):  # after a packed prefill, attention sees each row's last document only
+            if past_len == 0:
+                cache.document_start = packed.last_doc_start if packed is not None else None
+            elif cache.document_start is not None:
+                visible = torch.arange(past_len + seq_len, device=inputs_embeds.device) >= cache.document_start[:, None]
+                attended = visible if attended is None else attended & visible
+        mask = build_attention_mask(attended, packed, seq_len, past_len, inputs_embeds.device)
 
         start = ResidualState.start(inputs_embeds, self.config.residual_mode)
         completed, partial = start.completed, start.partial
