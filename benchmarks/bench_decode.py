@@ -280,7 +280,7 @@ def parse_args():
     p.add_argument("--generate-context", type=int, default=1024, help="prompt tokens of the generate rows")
     p.add_argument("--generate-tokens", type=int, default=64, help="N of the generate rows (N and 2N are timed)")
     p.add_argument("--generate-repeats", type=int, default=3, help="timed generate calls per length (the median)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/decode_h200.json"), help="results JSON")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/bench_decode_h200.json"), help="results JSON")
     p.add_argument("--tiny", action="store_true", help="a 2-layer tiny config, short contexts, any device")
     args = p.parse_args()
     args.models = [m for m in args.models.split(",") if m]
