@@ -2,6 +2,7 @@
 against the torch path (under ``TRITON_INTERPRET=1`` without a GPU, small shapes), its in-place state updates, and
 its compilation for sm_90."""
 
+import copy
 import os
 import subprocess
 import sys
@@ -76,6 +77,30 @@ def test_torch_step_matches_float64_math(gate):
     out = kda_decode.kda_decode_step_torch(*args, **kwargs)
     assert out.shape == want.shape and out.dtype == torch.float32
     assert rel(out, want) < 1e-5 and rel(conv, want_conv) < 1e-6 and rel(state, want_state) < 1e-5
+
+
+def test_layer_decode_step_equals_its_general_path():
+    """The KDA layer's one-token step (`_decode_step`, the torch path on the CPU) gives its general path's output and
+    states bit for bit (that path runs while the dynamic cache records past states, for assisted decoding)."""
+    from conftest import tiny_config
+
+    from kdamoe.model import modeling_kdamoe
+
+    config = tiny_config()
+    layer = modeling_kdamoe.KDAMoEKimiDeltaAttention(config, 0)
+    for p in (layer.conv_weight, layer.A_log, layer.dt_bias):
+        torch.nn.init.normal_(p, std=0.5)
+    with torch.no_grad():
+        fused = modeling_kdamoe.KDAMoECache(config)
+        layer(torch.randn(2, 7, config.hidden_size), cache=fused)
+        general = copy.deepcopy(fused)
+        general.layers[0].record_past = True
+        for _ in range(3):
+            x = torch.randn(2, 1, config.hidden_size)
+            assert torch.equal(layer(x, cache=fused), layer(x, cache=general))
+            general.layers[0].crop(0)  # back to the last W inputs
+            assert torch.equal(fused.layers[0].conv_states[0], general.layers[0].conv_states[0])
+    assert torch.equal(fused.layers[0].recurrent_states[0], general.layers[0].recurrent_states[0])
 
 
 @kernel_test

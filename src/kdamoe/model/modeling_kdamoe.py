@@ -45,7 +45,6 @@ from .moe import KDAMoEExperts, KDAMoEMLP, KDAMoERouter, KDAMoESparseMoeBlock, s
 from .short_conv import short_conv_silu, short_conv_state
 
 
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Small modules and helpers
 # ----------------------------------------------------------------------------------------------------------------------
@@ -188,8 +187,8 @@ class KDAMoEKimiDeltaAttention(nn.Module):
         return self.o_proj(o.reshape(batch, seq_len, h * k))
 
     def _decode_step(self, hidden_states: torch.Tensor, layer_cache) -> torch.Tensor:
-        """One new token per row (`[B, 1, D]`) from the cached states, which it updates in place: the same function
-        as the path above (`kda_decode_step`), in one fused kernel on a GPU."""
+        """One new token per row (`[B, 1, D]`) from the cached states, which it updates in place: what the path above
+        computes for it, in one kernel on a GPU (`kda_decode_step`)."""
         batch = hidden_states.shape[0]
 
         def rows(x):  # a projection's [B, 1, N] output as [B, N]
@@ -308,10 +307,9 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
         positions: torch.Tensor | None = None,
     ):
         """`partial: [B, T, D] | None` and the `completed` sources, each `[B, T, D]` (see `ResidualState`; passed as
-        positional tensors so that gradient checkpointing sees them); `positions`: the new tokens' places in a
-        static cache. Returns the new partial sum, the mixer input
-        `[B, T, D]` (this layer's hidden state), the router logits `[B*T, E]` and the auxiliary loss (MoE layers;
-        None otherwise), then the new completed sources."""
+        positional tensors so that gradient checkpointing sees them); `positions`: the new tokens' places in a static
+        cache. Returns the new partial sum, the mixer input `[B, T, D]` (this layer's hidden state), the router logits
+        `[B*T, E]` and the auxiliary loss (MoE layers; None otherwise), then the new completed sources."""
         state = ResidualState(completed, partial)
         mixer_input = state.read(self.mixer_attn_res)
         x = self.mixer_norm(mixer_input)
@@ -534,17 +532,17 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
         beams or returned sequences) and `max_length` (or `max_cache_len` when larger); a static cache passed in must
         hold as much. Otherwise transformers' handling (the model builds its `KDAMoECache` itself)."""
         rows = batch_size * max(generation_config.num_beams, generation_config.num_return_sequences or 1)
-        length = max(max_cache_length, getattr(generation_config, "max_cache_len", None) or 0)
         given = model_kwargs.get(CACHE_FIELD)
         if isinstance(given, KDAMoEStaticCache):
             if rows > given.max_batch_size:
                 raise ValueError(f"the static cache holds {given.max_batch_size} rows, generate needs {rows} (batch "
                                  f"{batch_size} x {rows // batch_size} beams or returned sequences)")
-            if given.has_attention and length > given.max_cache_len:
+            if given.has_attention and max_cache_length > given.max_cache_len:
                 raise ValueError(f"the static cache holds {given.max_cache_len} tokens per row, generate needs "
-                                 f"{length} (the prompt and max_new_tokens)")
+                                 f"{max_cache_length} (the prompt and max_new_tokens)")
         elif (generation_config.cache_implementation == "static" and given is None
               and generation_config.use_cache is not False):
+            length = max(max_cache_length, getattr(generation_config, "max_cache_len", None) or 0)
             model_kwargs[CACHE_FIELD] = KDAMoEStaticCache(self.config, rows, length, device=self.device,
                                                           dtype=self.dtype)
             return
