@@ -5,7 +5,8 @@ A decode step of a small model is a few hundred kernels of a few microseconds ea
 the host takes longer than the GPU. `graphed_decode_step` records the model's step on a `KDAMoEStaticCache` (whose
 tensors never move and whose position lives on the device) once per batch size and replays it: one launch a step,
 no host synchronisation. The recording runs the model's eager kernels, so a replayed step computes what an eager step
-computes, bit for bit, and takes milliseconds to make (an Inductor compile of the same step takes minutes).
+computes, bit for bit, and nothing is compiled (Inductor, through `torch.compile`, compiles the step for every
+shape).
 
 Per cache and batch size: the first decode step runs eagerly on a side stream (it compiles the Triton kernels for
 its shapes and sets cuBLAS up on that stream, which a recording cannot do), the second is recorded on it and

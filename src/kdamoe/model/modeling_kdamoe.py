@@ -567,7 +567,7 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
     def get_compiled_call(self, compile_config=None):
         """The forward `generate` runs its decode steps with when the cache is compileable (the static one) on an
         accelerator. Without a `compile_config`: `self.__call__` with each decode step on a static cache replayed as
-        a CUDA graph (`decode_graphs.py`: recorded from the eager kernels in milliseconds, no host synchronisation
+        a CUDA graph (`decode_graphs.py`: recorded from the eager kernels, nothing compiled, no host synchronisation
         per token). With one: transformers' `torch.compile` of the forward (the static decode step compiles without
         graph breaks, and later steps without recompiling)."""
         if compile_config is None and self.device.type == "cuda":
