@@ -181,7 +181,12 @@ from kdamoe.model import kda_decode
 
 launches = []
 kernel = kda_decode._decode_kernel
-kda_decode._decode_kernel = type("Record", (), {"__getitem__": lambda self, grid: lambda *a, **kw: launches.append((a, kw))})()
+class Record:
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: launches.append((args, kwargs))
+
+
+kda_decode._decode_kernel = Record()
 H, K, V, W = 8, 128, 128, 4
 for dtype in (torch.bfloat16, torch.float32):
     C = 2 * H * K + H * V

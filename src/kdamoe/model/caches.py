@@ -20,7 +20,9 @@ from .configuration_kdamoe import KDAMoEConfig
 
 # transformers renamed the cache field of model outputs, and generate's cache keyword, from `past_key_values` to
 # `cache` (5.2x); support both.
-CACHE_FIELD = "cache" if "cache" in {f.name for f in dataclasses.fields(MoeCausalLMOutputWithPast)} else "past_key_values"
+CACHE_FIELD = (
+    "cache" if "cache" in {f.name for f in dataclasses.fields(MoeCausalLMOutputWithPast)} else "past_key_values"
+)
 
 
 class KDAMoECache(DynamicCache):

@@ -55,7 +55,8 @@ def _graphable(model, cache, input_ids, mask, kwargs) -> bool:
         and input_ids is not None and input_ids.is_cuda and input_ids.dim() == 2 and input_ids.shape[1] == 1
         and input_ids.shape[0] == cache.rows
         and (mask is None or (mask.dim() == 2 and mask.shape[0] == cache.rows))
-        and kwargs.get("inputs_embeds") is None and kwargs.get("labels") is None and kwargs.get("use_cache") is not False
+        and kwargs.get("inputs_embeds") is None and kwargs.get("labels") is None
+        and kwargs.get("use_cache") is not False
         and not any(kwargs.get(name, getattr(config, name, False)) for name in wants)
         and not model.training and not torch.is_grad_enabled()
     )

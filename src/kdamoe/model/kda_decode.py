@@ -14,14 +14,15 @@ H·V``; the step reads its last W − 1 as context and shifts the new input in):
 ``recurrent_kda``, ``gated_rms_norm_torch``): it computes what the layer's general path computes, bit for bit, and
 is the CPU path. The Triton kernel does the whole step in one launch instead of the unfused path's twenty or so (the
 q | k | v concatenation, conv, conv state, two L2 norms, the gate and β in torch, the recurrence, the gated norm,
-the copies between them): one program per (row, head) holds q and k (convolved and normalised in registers) and walks the V columns in blocks of BV: each block's
-v is convolved, its ``[K, BV]`` block of the state decayed, updated and written back, and its o kept (rounded as the
-unfused path rounds it) in the output buffer; the norm over V then rescales the output in a second pass. Values are
-rounded where the unfused path stores them in its dtype (the conv output, the normalised q and k, o, the norm's
-output and sigmoid of the gate), so the two differ only by the order of fp32 sums. A barrier separates each read of
-a state from its write (threads of a program may hold the same element), and the output's first pass from the
-second. Offsets: the conv state's row (row x C·W) and the recurrent state's (row, head) (x K·V) are int64; the
-projections' row offsets are int32 (a decoding batch times a projection's width).
+the copies between them): one program per (row, head) holds q and k (convolved and normalised in registers) and
+walks the V columns in blocks of BV: each block's v is convolved, its ``[K, BV]`` block of the state decayed,
+updated and written back, and its o kept (rounded as the unfused path rounds it) in the output buffer; the norm over
+V then rescales the output in a second pass. Values are rounded where the unfused path stores them in its dtype (the
+conv output, the normalised q and k, o, the norm's output and sigmoid of the gate), so the two differ only by the
+order of fp32 sums. A barrier separates each read of a state from its write (threads of a program may hold the same
+element), and the output's first pass from the second. Offsets: the conv state's row (row x C·W) and the recurrent
+state's (row, head) (x K·V) are int64; the projections' row offsets are int32 (a decoding batch times a
+projection's width).
 
 Dispatch: the Triton kernel for CUDA tensors when triton imports, else torch; ``backend="torch" | "triton"``
 forces one (the tests run the kernel on CPU tensors under ``TRITON_INTERPRET=1``). No autograd (decoding).
@@ -98,9 +99,10 @@ if triton is not None:
 
     @triton.jit
     def _conv_silu(x_ptrs, state_ptr, w_ptr, c, m, W: tl.constexpr, WP: tl.constexpr):
-        """Channels c (mask m) of one row, new inputs at ``x_ptrs``: ``(silu(pre) fp32, new state [BC, WP])`` where pre sums, in fp32 and in
-        ``short_conv_silu``'s order, the new input times the last tap and then the state's last W − 1 inputs times
-        the taps before; the new state is the window (the state shifted by one, the input last), in its dtype."""
+        """Channels c (mask m) of one row, new inputs at ``x_ptrs``: ``(silu(pre) fp32, new state [BC, WP])``. pre
+        sums, in fp32 and in ``short_conv_silu``'s order, the new input times the last tap, then the state's last
+        W − 1 inputs times the taps before; the new state is the window (the state shifted by one, the input last),
+        in the state's dtype."""
         j = tl.arange(0, WP)
         m2 = m[:, None] & (j < W)[None, :]
         x = tl.load(x_ptrs, mask=m, other=0.0)
