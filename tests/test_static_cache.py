@@ -10,6 +10,7 @@ from triton_interpreter import gpu_only
 
 import kdamoe
 from kdamoe.model.caches import CACHE_FIELD
+from kdamoe.model.decode_graphs import RecordedStep
 
 KDA_ONLY = ["linear_attention"] * 4
 LAYER_TYPES = pytest.mark.parametrize("layer_types", [None, KDA_ONLY], ids=["hybrid", "kda_only"])
@@ -185,7 +186,7 @@ def test_graphed_generate_equals_eager_dynamic(layer_types, dtype):
     dynamic = model.generate(prompt, max_new_tokens=24, **GREEDY)
     assert torch.equal(static, dynamic)
     steps = cache.decode_graphs.steps
-    assert len(steps) == 1 and all(step is not None for step in steps.values())
+    assert len(steps) == 1 and all(isinstance(step, RecordedStep) for step in steps.values())
 
 
 @gpu_only

@@ -11,9 +11,11 @@ shape).
 Per cache and batch size: the first decode step runs eagerly on a side stream (it compiles the Triton kernels for
 its shapes and sets cuBLAS up on that stream, which a recording cannot do), the second is recorded on it and
 replayed, and every later one is replayed after its input ids (and the new tokens' padding flags) are copied into
-the graph's input buffers. The graphs live on the cache (`cache.decode_graphs`) and share one memory pool: a new
-cache (every `generate` call makes one) records anew, a cache reused after `reset()` keeps them. A replay returns
-the graph's logits buffer, which the next replay overwrites (`generate` copies the last position's logits at once).
+the graph's input buffers. A recording that fails (an operation a graph cannot hold, such as a host
+synchronisation) is logged once, and that batch size's steps on the cache run eagerly. The graphs live on the cache
+(`cache.decode_graphs`) and share one memory pool: a new cache (every `generate` call makes one) records anew, a
+cache reused after `reset()` keeps them. A replay returns the graph's logits buffer, which the next replay overwrites
+(`generate` copies the last position's logits at once).
 
 Calls that do not fit (the prefill, several tokens, another cache, CPU tensors, gradients, training mode, hidden
 states or router logits asked for) run `model(**kwargs)` as they are.
@@ -23,12 +25,15 @@ import dataclasses
 
 import torch
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+from transformers.utils import logging
 
 from .caches import CACHE_FIELD, KDAMoEStaticCache
 
+logger = logging.get_logger(__name__)
+
 
 @dataclasses.dataclass
-class _Recorded:
+class RecordedStep:
     """A recorded step: the graph, its input buffers and its logits."""
 
     graph: "torch.cuda.CUDAGraph"
@@ -37,10 +42,13 @@ class _Recorded:
     logits: torch.Tensor
 
 
+_WARM, _EAGER = "warm", "eager"  # the first step ran eagerly / the recording failed: eager steps
+
+
 @dataclasses.dataclass
 class DecodeGraphs:
-    """A cache's recorded steps by (batch, with a mask, logits_to_keep), or None after the eager first step; the
-    stream they are recorded on and their memory pool."""
+    """A cache's recorded steps by (batch, with a mask, logits_to_keep) (`_WARM` after the eager first step, `_EAGER`
+    if the recording failed), the stream they are recorded on and their memory pool."""
 
     stream: "torch.cuda.Stream"
     pool: tuple
@@ -73,17 +81,25 @@ def graphed_decode_step(model, **kwargs):
     graphs = cache.decode_graphs
     logits_to_keep = kwargs.get("logits_to_keep", 0)
     key = (input_ids.shape[0], mask is not None, logits_to_keep)
-    if key not in graphs.steps:
-        graphs.steps[key] = None
+    step = graphs.steps.get(key)
+    if step is None:
+        graphs.steps[key] = _WARM
         current = torch.cuda.current_stream(input_ids.device)
         graphs.stream.wait_stream(current)
         with torch.cuda.stream(graphs.stream):
             out = model(**kwargs)
         current.wait_stream(graphs.stream)
         return out
-    step = graphs.steps[key]
-    if step is None:
-        step = graphs.steps[key] = _record(model, cache, graphs, input_ids, mask, logits_to_keep)
+    if step is _WARM:
+        try:
+            step = _record(model, cache, graphs, input_ids, mask, logits_to_keep)
+        except RuntimeError as error:  # an operation a recording cannot hold (a host synchronisation)
+            logger.warning_once(f"kdamoe: the decode step could not be recorded as a CUDA graph ({error}); it runs "
+                                "eagerly")
+            step = _EAGER
+        graphs.steps[key] = step
+    if step is _EAGER:
+        return model(**kwargs)
     step.input_ids.copy_(input_ids)
     if step.token_mask is not None:
         step.token_mask.copy_(mask[:, -1:])
@@ -93,7 +109,7 @@ def graphed_decode_step(model, **kwargs):
     return out if (return_dict if return_dict is not None else model.config.return_dict) else out.to_tuple()
 
 
-def _record(model, cache, graphs: DecodeGraphs, input_ids, mask, logits_to_keep) -> _Recorded:
+def _record(model, cache, graphs: DecodeGraphs, input_ids, mask, logits_to_keep) -> RecordedStep:
     """Record one decode step on the cache's stream (input buffers made outside the graph's pool)."""
     static_ids = input_ids.clone()
     static_mask = mask[:, -1:].clone() if mask is not None else None
@@ -102,4 +118,4 @@ def _record(model, cache, graphs: DecodeGraphs, input_ids, mask, logits_to_keep)
     with torch.cuda.graph(graph, pool=graphs.pool, stream=graphs.stream, capture_error_mode="thread_local"):
         out = model(input_ids=static_ids, attention_mask=static_mask, cache=cache, use_cache=True,
                     logits_to_keep=logits_to_keep, return_dict=True)
-    return _Recorded(graph, static_ids, static_mask, out.logits)
+    return RecordedStep(graph, static_ids, static_mask, out.logits)
