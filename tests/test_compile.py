@@ -145,6 +145,30 @@ def test_compiled_prefill_and_decode_match_eager():
             compiled(input_ids=ids, attention_mask=torch.ones_like(mask), position_ids=packed, use_cache=True)
 
 
+@pytest.mark.parametrize("layer_types", [None, ["linear_attention"] * 4], ids=["hybrid", "kda_only"])
+def test_compiled_static_decode_matches_eager_without_recompiling(layer_types):
+    """The decode step on a static cache (what `generate` compiles with a `compile_config`) traces into one graph
+    that every later step reuses: the position is a device tensor and the mask holds the new token's column only.
+    After the same eager prefill, compiled steps give the eager steps' logits."""
+    model = make_model(**({} if layer_types is None else dict(layer_types=layer_types))).eval()
+    ids = torch.randint(3, 97, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    runs, graphs = [], torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        for step in (torch.compile(model, fullgraph=True, backend=CPU_BACKEND), model):
+            cache = kdamoe.KDAMoEStaticCache(model.config, max_batch_size=2, max_cache_len=16)
+            token = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            logits = []
+            for _ in range(4):
+                out = step(input_ids=token, attention_mask=torch.ones_like(token), cache=cache, use_cache=True)
+                logits.append(out.logits)
+                token = out.logits[:, -1:].argmax(-1)
+            runs.append(torch.cat(logits, 1))
+    torch.testing.assert_close(runs[0], runs[1], rtol=1e-5, atol=1e-5)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
+
+
 def test_compiled_chunk_kda_softplus_gate_takes_the_exact_rows():
     """The unbounded gate's sub-blocks that decay past SPAN_LIMIT take the exact pairwise form: eagerly only those
     sub-blocks, traced every sub-block (no data-dependent branch); both equal the per-token recurrence."""

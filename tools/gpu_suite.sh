@@ -9,6 +9,9 @@
 #   `MODEL=1 REST=0 MODEL_BENCH_S=0 bash tools/gpu_suite.sh` (~7 min): the CUDA tests of the model's fused path,
 #   torch.compile and offsets past 2^31; `MODEL=1 REST=0 MODEL_TEST_S=0 ...` (~6 min): benchmarks/bench_model.py
 #   (ours against fla's model; MODEL_ROWS picks rows), fla's autotuning packed again (a limit of 0 skips a part);
+#   `DECODE=1 REST=0 DECODE_BENCH_S=0 bash tools/gpu_suite.sh`: the CUDA tests of the static cache, the decode steps
+#   replayed as CUDA graphs and the fused decode kernel; `DECODE=1 REST=0 DECODE_TEST_S=0 ...`:
+#   benchmarks/bench_decode.py (DECODE_MODELS, DECODE_CONTEXTS, DECODE_BATCHES narrow it);
 #   `PROFILE=1 REST=0 ...`: benchmarks/profile_ops.py (kernel tables, ours vs fla-core; autotunes fla again);
 #   `LONG=1 REST=0 bash tools/gpu_suite.sh` (~7 min; carry .gpu/tok32k and .gpu/fla_autotune.tgz): million-token
 #   contexts, each part under its own limit (LONG_TEST_S, LONG_BENCH_S, LONG_TRAIN_S, LONG_EVAL_S; 0 skips it):
@@ -56,6 +59,20 @@ if [ "${MODEL:-0}" = 1 ]; then
       | grep -v -i warn | tee "$OUT/bench_model.log" | tail -25
   fi
   (cd ~/.triton/cache && find . -name "*.autotune.json" | tar czf "$OUT/fla_autotune.tgz" -T -)
+fi
+if [ "${DECODE:-0}" = 1 ]; then
+  [ -f .gpu/fla_autotune.tgz ] && mkdir -p ~/.triton/cache && tar xzf .gpu/fla_autotune.tgz -C ~/.triton/cache
+  if [ "${DECODE_TEST_S:-420}" != 0 ]; then
+    echo "== CUDA tests of the static cache, the decode graphs and the fused decode kernel"
+    timeout "${DECODE_TEST_S:-420}" python3 -m pytest -q tests/test_static_cache.py tests/test_kda_decode.py \
+      2>&1 | tail -8
+  fi
+  if [ "${DECODE_BENCH_S:-540}" != 0 ]; then
+    echo "== bench_decode (static cache + CUDA graphs, the dynamic cache, fla's KDAForCausalLM; one process)"
+    timeout "${DECODE_BENCH_S:-540}" python3 benchmarks/bench_decode.py --models "${DECODE_MODELS:-kda,hybrid}" \
+      --contexts "${DECODE_CONTEXTS:-1024,32768,131072,1048576}" --batches "${DECODE_BATCHES:-1,16,64}" \
+      --out "$OUT/bench_decode_h200.json" 2>&1 | grep -v -i warn | tee "$OUT/bench_decode.log" | tail -40
+  fi
 fi
 if [ "${FLA:-0}" = 1 ]; then
   echo "== fla-core autotuning, packed to $OUT/fla_autotune.tgz"

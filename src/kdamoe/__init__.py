@@ -10,7 +10,13 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from .balancing import LoadBalancingCallback, register_load_balancing_hook, summarize_balancing
 from .model.configuration_kdamoe import KDAMoEConfig
 from .model.kda import chunk_kda, kda_gate, naive_recurrent_kda, recurrent_kda
-from .model.modeling_kdamoe import KDAMoECache, KDAMoEForCausalLM, KDAMoEModel, KDAMoEPreTrainedModel
+from .model.modeling_kdamoe import (
+    KDAMoECache,
+    KDAMoEForCausalLM,
+    KDAMoEModel,
+    KDAMoEPreTrainedModel,
+    KDAMoEStaticCache,
+)
 from .model.moe import (
     QuantileHistogram,
     balanced_bias,
@@ -34,6 +40,7 @@ __all__ = [
     "KDAMoEForCausalLM",
     "KDAMoEModel",
     "KDAMoEPreTrainedModel",
+    "KDAMoEStaticCache",
     "LoadBalancingCallback",
     "QuantileHistogram",
     "balanced_bias",

@@ -18,15 +18,16 @@ class TokenIdCheck:
     min and max, copied to pinned host memory behind the forward, raise at the first later call that finds the copy
     done: the forward that read a bad id is reported one call late, and no call waits for the device.
 
-    Under `torch.compile` the check is part of the graph (no host read, no graph break): an assertion on the device
-    (a `RuntimeError` with the same message at the call on the CPU, a device-side assert on CUDA), then the clamp.
+    Under `torch.compile` or a CUDA graph's recording the check is part of the graph (no host read, no graph break):
+    an assertion on the device (a `RuntimeError` with the same message at the call on the CPU, a device-side assert on
+    CUDA), then the clamp.
     """
 
     def __init__(self):
         self._pending = None  # (copy-done event, pinned [min, max], vocab size) of the last CUDA call
 
     def __call__(self, input_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or (input_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
             torch._assert_async(((input_ids >= 0) & (input_ids < vocab_size)).all(), _token_id_message(vocab_size))
             return input_ids.clamp(0, vocab_size - 1)
         self.raise_pending()

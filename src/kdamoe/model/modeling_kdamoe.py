@@ -12,6 +12,7 @@ document). A cache filled by a packed prefill continues each row's last document
 
 import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -20,16 +21,19 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import initialization as init
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
 from .attnres import DepthAttention, ResidualState
+from .caches import CACHE_FIELD, KDAMoECache, KDAMoEStaticCache
 from .configuration_kdamoe import KDAMoEConfig
+from .decode_graphs import graphed_decode_step
 from .fused_norm import gated_rms_norm, l2norm, rms_norm
 from .kda import chunk_kda, recurrent_kda
+from .kda_decode import kda_decode_step
 from .loss import linear_cross_entropy
 from .model_inputs import (
     PackedDocuments,
@@ -40,11 +44,6 @@ from .model_inputs import (
 )
 from .moe import KDAMoEExperts, KDAMoEMLP, KDAMoERouter, KDAMoESparseMoeBlock, apply_balancing, summary_to_host
 from .short_conv import short_conv_silu, short_conv_state
-
-# transformers renamed the cache field of model outputs from `past_key_values` to `cache` (5.2x); support both.
-_CACHE_FIELD = (
-    "cache" if "cache" in {f.name for f in dataclasses.fields(MoeCausalLMOutputWithPast)} else "past_key_values"
-)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -80,27 +79,6 @@ def fused_projections(x: torch.Tensor, *groups: tuple[nn.Linear, ...]) -> tuple[
             weights.append(weights[0].new_zeros(pad, weights[0].shape[1]))
         return F.linear(x, torch.cat(weights)).split(widths + [pad], dim=-1)[: len(groups)]
     return tuple(torch.cat([m(x) for m in group], -1) if len(group) > 1 else group[0](x) for group in groups)
-
-
-class KDAMoECache(DynamicCache):
-    """The stock `DynamicCache` (conv + recurrent state for KDA layers, KV for attention layers) that also counts
-    tokens itself, so that `generate` works for configs without any full-attention layer.
-
-    `document_start` (`[B]` or None): after a packed prefill, the column where each row's last document starts.
-    KDA layers keep only that document's state, so later tokens attend to the attention layers' keys from there on.
-    """
-
-    def __init__(self, config: KDAMoEConfig):
-        super().__init__(config=config)
-        self.num_seen_tokens = 0
-        self.document_start = None
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.num_seen_tokens
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
 
 
 @dataclasses.dataclass
@@ -183,6 +161,8 @@ class KDAMoEKimiDeltaAttention(nn.Module):
             hidden_states = hidden_states * token_mask.unsqueeze(-1).to(hidden_states.dtype)
         decoding = cache is not None and cache.has_previous_state(self.layer_idx)
         layer_cache = cache.layers[self.layer_idx] if decoding else None
+        if decoding and seq_len == 1 and not getattr(layer_cache, "record_past", False):
+            return self._decode_step(hidden_states, layer_cache)
 
         qkv, beta, decay, out_gate = fused_projections(  # [B, T, 3·H·K], [B, T, H], [B, T, K], [B, T, K]
             hidden_states, (self.q_proj, self.k_proj, self.v_proj), (self.beta_proj,), (self.decay_down_proj,),
@@ -226,6 +206,27 @@ class KDAMoEKimiDeltaAttention(nn.Module):
         o = gated_rms_norm(o, self.o_norm.weight, out_gate, self.o_norm.eps)  # o_norm(o) * sigmoid(out_gate)
         return self.o_proj(o.reshape(batch, seq_len, h * k))
 
+    def _decode_step(self, hidden_states: torch.Tensor, layer_cache) -> torch.Tensor:
+        """One new token per row (`[B, 1, D]`) from the cached states, which it updates in place: what the path above
+        computes for it, in one kernel on a GPU (`kda_decode_step`)."""
+        batch = hidden_states.shape[0]
+
+        def rows(x):  # a projection's [B, 1, N] output as [B, N]
+            return x.view(batch, -1)
+
+        qkv, beta, decay, out_gate = fused_projections(
+            hidden_states, (self.q_proj, self.k_proj, self.v_proj), (self.beta_proj,), (self.decay_down_proj,),
+            (self.out_gate_down_proj,))
+        q, k, v = rows(qkv).split([self.num_heads * self.head_dim] * 3, dim=-1)
+        o = kda_decode_step(
+            q, k, v, rows(beta), rows(self.decay_up_proj(decay)), rows(self.out_gate_up_proj(out_gate)),
+            layer_cache.conv_states[0],
+            layer_cache.recurrent_states[0], conv_weight=self.conv_weight, A_log=self.A_log, dt_bias=self.dt_bias,
+            norm_weight=self.o_norm.weight, norm_eps=self.o_norm.eps, gate=self.gate,
+            lower_bound=self.lower_bound if self.gate == "bounded" else None,
+        )
+        return self.o_proj(o.view(batch, 1, -1))
+
 
 _CACHED_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
@@ -257,9 +258,11 @@ class KDAMoEAttention(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache: Cache | None = None,
         packed: PackedDocuments | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`packed` without an `attention_mask`: packed rows too long for a block-diagonal mask
-        (`build_attention_mask`), attended one document at a time."""
+        (`build_attention_mask`), attended one document at a time. `positions [T]`: where the new keys go in a
+        static cache (`KDAMoEStaticCache.advance`)."""
         batch, seq_len, _ = hidden_states.shape
         shape = (batch, seq_len, -1, self.head_dim)
         q = self.q_norm(self.q_proj(hidden_states).view(shape))  # [B, T, Hq, Dh]
@@ -267,7 +270,9 @@ class KDAMoEAttention(nn.Module):
         v = self.v_proj(hidden_states).view(shape)
         per_document = packed is not None and attention_mask is None
         keys, values = k.transpose(1, 2), v.transpose(1, 2)
-        if cache is not None:
+        if positions is not None:
+            keys, values = cache.update(keys, values, self.layer_idx, positions)
+        elif cache is not None:
             keys, values = cache.update(keys, values, self.layer_idx)
 
         attention: Callable = eager_attention_forward
@@ -336,18 +341,19 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
         cache: Cache | None = None,
         packed: PackedDocuments | None = None,
         token_mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ):
         """`partial: [B, T, D] | None` and the `completed` sources, each `[B, T, D]` (see `ResidualState`; passed as
-        positional tensors so that gradient checkpointing sees them). Returns the new partial sum, the mixer input
-        `[B, T, D]` (this layer's hidden state), the router logits `[B*T, E]` and the auxiliary loss (MoE layers;
-        None otherwise), then the new completed sources."""
+        positional tensors so that gradient checkpointing sees them); `positions`: the new tokens' places in a static
+        cache. Returns the new partial sum, the mixer input `[B, T, D]` (this layer's hidden state), the router logits
+        `[B*T, E]` and the auxiliary loss (MoE layers; None otherwise), then the new completed sources."""
         state = ResidualState(completed, partial)
         mixer_input = state.read(self.mixer_attn_res)
         x = self.mixer_norm(mixer_input)
         if self.layer_type == "linear_attention":
             x = self.mixer(x, cache=cache, packed=packed, token_mask=token_mask)
         else:
-            x = self.mixer(x, attention_mask=attention_mask, cache=cache, packed=packed)
+            x = self.mixer(x, attention_mask=attention_mask, cache=cache, packed=packed, positions=positions)
         state = state.add(x, close_block=self.close_block_after_mixer)
 
         x = self.ffn_norm(state.read(self.ffn_attn_res))
@@ -477,28 +483,46 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
             cache = None
 
         batch, seq_len, _ = inputs_embeds.shape
-        past_len = cache.get_seq_length() if cache is not None else 0
         if attention_mask is not None and attention_mask.dim() != 2:
             raise ValueError("`attention_mask` must be a 2-D padding mask [batch, past + new tokens].")
-        padding_mask = None  # under torch.compile a given mask is applied whatever it holds (no host read)
-        if attention_mask is not None and (torch.compiler.is_compiling() or not bool(attention_mask.bool().all())):
+        # Under torch.compile or a CUDA graph's recording a given mask is applied whatever it holds (no host read).
+        traced = torch.compiler.is_compiling() or (inputs_embeds.is_cuda and torch.cuda.is_current_stream_capturing())
+        padding_mask = None
+        if attention_mask is not None and (traced or not bool(attention_mask.bool().all())):
             padding_mask = attention_mask.bool()
-            if padding_mask.shape != (batch, past_len + seq_len):
+        positions = None
+        if isinstance(cache, KDAMoEStaticCache):
+            # The cache keeps the padding flags of the tokens it holds: a mask's last T columns are the new tokens'.
+            if padding_mask is not None and (padding_mask.shape[0] != batch or padding_mask.shape[1] < seq_len):
+                raise ValueError(f"`attention_mask` has shape {tuple(padding_mask.shape)}, expected [{batch}, >= "
+                                 f"{seq_len}] (with a static cache its last {seq_len} columns are the new tokens)")
+            token_mask = padding_mask[:, -seq_len:] if padding_mask is not None else None
+            first, positions = cache.advance(batch, seq_len, token_mask)
+            past_len, padding_mask = (0, token_mask) if first else (None, None)
+        else:
+            past_len = cache.get_seq_length() if cache is not None else 0
+            if padding_mask is not None and padding_mask.shape != (batch, past_len + seq_len):
                 raise ValueError(
                     f"`attention_mask` has shape {tuple(padding_mask.shape)}, expected {(batch, past_len + seq_len)}"
                 )
-        token_mask = padding_mask[:, -seq_len:] if padding_mask is not None else None
+            token_mask = padding_mask[:, -seq_len:] if padding_mask is not None else None
         packed = None
         if position_ids is not None and past_len == 0:
             packed = PackedDocuments.from_position_ids(position_ids, inputs_embeds.device, token_mask)
-        attended = padding_mask
-        if isinstance(cache, KDAMoECache):  # after a packed prefill, attention sees each row's last document only
-            if past_len == 0:
-                cache.document_start = packed.last_doc_start if packed is not None else None
-            elif cache.document_start is not None:
-                visible = torch.arange(past_len + seq_len, device=inputs_embeds.device) >= cache.document_start[:, None]
-                attended = visible if attended is None else attended & visible
-        mask = build_attention_mask(attended, packed, seq_len, past_len, inputs_embeds.device)
+        if past_len is None:  # a static cache's later forwards attend to everything it holds
+            mask = cache.attention_mask(positions) if positions is not None else None
+        else:
+            attended = padding_mask
+            if isinstance(cache, KDAMoECache):  # after a packed prefill, attention sees each row's last document only
+                if past_len == 0:
+                    cache.document_start = packed.last_doc_start if packed is not None else None
+                elif cache.document_start is not None:
+                    visible = torch.arange(past_len + seq_len, device=inputs_embeds.device)
+                    visible = visible >= cache.document_start[:, None]
+                    attended = visible if attended is None else attended & visible
+            elif isinstance(cache, KDAMoEStaticCache) and packed is not None:  # its first forward
+                cache.keep_from(packed.last_doc_start)
+            mask = build_attention_mask(attended, packed, seq_len, past_len, inputs_embeds.device)
 
         start = ResidualState.start(inputs_embeds, self.config.residual_mode)
         completed, partial = start.completed, start.partial
@@ -507,7 +531,8 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         aux_losses = []
         for layer in self.layers:
             partial, layer_input, router_logits, aux_loss, *completed = layer(
-                partial, *completed, attention_mask=mask, cache=cache, packed=packed, token_mask=token_mask
+                partial, *completed, attention_mask=mask, cache=cache, packed=packed, token_mask=token_mask,
+                positions=positions,
             )
             if output_hidden_states:
                 all_hidden_states.append(layer_input)
@@ -526,7 +551,7 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
             hidden_states=tuple(all_hidden_states) if output_hidden_states else None,
             router_logits=tuple(all_router_logits) if output_router_logits else None,
             aux_loss=torch.stack(aux_losses).sum() if aux_losses else None,
-            **{_CACHE_FIELD: cache},
+            **{CACHE_FIELD: cache},
         )
         return output if return_dict else output.to_tuple()
 
@@ -547,6 +572,54 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
     def _supports_default_dynamic_cache(cls) -> bool:
         # The model builds its own `KDAMoECache` (a `DynamicCache` that counts tokens), see `KDAMoEModel.forward`.
         return False
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size,
+                                      max_cache_length):
+        """`generate`'s cache: with `cache_implementation="static"` a `KDAMoEStaticCache` for the batch (times the
+        beams or returned sequences) and `max_length` (or `max_cache_len` when larger); a static cache passed in must
+        hold as much. Otherwise transformers' handling (the model builds its `KDAMoECache` itself)."""
+        rows = batch_size * max(generation_config.num_beams, generation_config.num_return_sequences or 1)
+        given = model_kwargs.get(CACHE_FIELD)
+        if isinstance(given, KDAMoEStaticCache):
+            if rows > given.max_batch_size:
+                raise ValueError(f"the static cache holds {given.max_batch_size} rows, generate needs {rows} (batch "
+                                 f"{batch_size} x {rows // batch_size} beams or returned sequences)")
+            if given.has_attention and max_cache_length > given.max_cache_len:
+                raise ValueError(f"the static cache holds {given.max_cache_len} tokens per row, generate needs "
+                                 f"{max_cache_length} (the prompt and max_new_tokens)")
+        elif (generation_config.cache_implementation == "static" and given is None
+              and generation_config.use_cache is not False):
+            length = max(max_cache_length, getattr(generation_config, "max_cache_len", None) or 0)
+            model_kwargs[CACHE_FIELD] = KDAMoEStaticCache(self.config, rows, length, device=self.device,
+                                                          dtype=self.dtype)
+            return
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, generation_mode, batch_size,
+                                              max_cache_length)
+
+    def create_masks_for_generate(self, attention_mask=None, **kwargs):
+        """What `generate` makes of the 2-D mask for a compileable cache (the static one): the mask itself, as the
+        model builds its attention masks from it."""
+        return attention_mask
+
+    def prepare_inputs_for_generation(self, *args, **kwargs):
+        """transformers' inputs; with a static cache the attention mask's columns of the new tokens only (the cache
+        keeps the padding flags of the tokens it holds), so every decode step has the same shapes."""
+        inputs = super().prepare_inputs_for_generation(*args, **kwargs)
+        mask, new = inputs.get("attention_mask"), inputs.get("input_ids")
+        new = new if new is not None else inputs.get("inputs_embeds")
+        if isinstance(inputs.get(CACHE_FIELD), KDAMoEStaticCache) and mask is not None and mask.dim() == 2:
+            inputs["attention_mask"] = mask[:, -new.shape[1]:]
+        return inputs
+
+    def get_compiled_call(self, compile_config=None):
+        """The forward `generate` runs its decode steps with when the cache is compileable (the static one) on an
+        accelerator. Without a `compile_config`: `self.__call__` with each decode step on a static cache replayed as
+        a CUDA graph (`decode_graphs.py`: recorded from the eager kernels, nothing compiled, no host synchronisation
+        per token). With one: transformers' `torch.compile` of the forward (the static decode step compiles without
+        graph breaks, and later steps without recompiling)."""
+        if compile_config is None and self.device.type == "cuda":
+            return functools.partial(graphed_decode_step, self)
+        return super().get_compiled_call(compile_config)
 
     @torch.no_grad()
     def apply_load_balancing(self, to_host: bool = True) -> dict[int, dict]:
@@ -626,7 +699,7 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
             logits=logits,
             hidden_states=outputs.hidden_states,
             router_logits=outputs.router_logits,
-            **{_CACHE_FIELD: getattr(outputs, _CACHE_FIELD)},
+            **{CACHE_FIELD: getattr(outputs, CACHE_FIELD)},
         )
         return output if return_dict else output.to_tuple()
 
@@ -635,4 +708,4 @@ KDAMoEConfig.register_for_auto_class()
 KDAMoEModel.register_for_auto_class("AutoModel")
 KDAMoEForCausalLM.register_for_auto_class("AutoModelForCausalLM")
 
-__all__ = ["KDAMoECache", "KDAMoEForCausalLM", "KDAMoEModel", "KDAMoEPreTrainedModel"]
+__all__ = ["KDAMoECache", "KDAMoEForCausalLM", "KDAMoEModel", "KDAMoEPreTrainedModel", "KDAMoEStaticCache"]

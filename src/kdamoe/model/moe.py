@@ -259,9 +259,10 @@ class KDAMoEExperts(nn.Module):
     """Routed experts with 3-D weights `gate_up_proj [E, 2I, D]` (rows `[gate | up]`) and `down_proj [E, D, I]`.
 
     `forward(hidden [N, D], top_k_index [N, k], top_k_weights [N, k]) -> [N, D]`: on CUDA in bf16 the tokens are
-    sorted by expert and run through grouped GEMMs (`forward_grouped`); elsewhere a loop over the experts that
-    received tokens (`forward_loop`), or under torch.compile every expert on every token (`forward_dense`: the
-    loop's shapes depend on the routing). All compute the same function.
+    sorted by expert and run through grouped GEMMs with the group offsets on the device (`forward_grouped`, no host
+    synchronisation: also the decode path); elsewhere a loop over the experts that received tokens (`forward_loop`),
+    or under torch.compile or a CUDA graph's recording every expert on every token (`forward_dense`: the loop's
+    shapes depend on the routing). All compute the same function.
     """
 
     def __init__(self, config):
@@ -282,7 +283,7 @@ class KDAMoEExperts(nn.Module):
             and self.hidden_size % 8 == 0 and self.intermediate_size % 8 == 0
         ):
             return self.forward_grouped(hidden.to(dtype), top_k_index, top_k_weights)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or (hidden.is_cuda and torch.cuda.is_current_stream_capturing()):
             return self.forward_dense(hidden, top_k_index, top_k_weights)
         return self.forward_loop(hidden, top_k_index, top_k_weights)
 
