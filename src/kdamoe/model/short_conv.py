@@ -16,11 +16,13 @@ and 65535 on axes 1 and 2, which would stop at 4M tokens; axis 1 the channel blo
 - forward: one program per ``[BT, BD]`` tile; each token's document bounds come from a vectorised binary search of
   ``cu_seqlens`` (``ceil(log2(N + 1))`` gathers from a table of N + 1 entries that stays in L1; no host
   synchronisation, no mask tensor) or ``t − t mod T`` for plain batches; W shifted masked loads summed in fp32.
-- backward, one kernel: ``dx[t] = Σ_s weight[W-1-s] · dpre[t+s]`` over the outputs ``t + s`` in t's document, with
-  ``dpre = dy · silu'(pre)`` and ``pre`` recomputed from x at each of the W shifts (x is all the autograd graph
-  keeps; the shifted tiles come from L1 / L2, so x and dy are read once, dx written once, and no ``[B·T, C]``
-  buffer holds dpre); ``dweight[tap] = Σ_t dpre[t] · x[t − (W−1−tap)]`` summed per program of a persistent grid
-  along time in fp32 and stored as a ``[P, W, C]`` partial reduced in torch after (deterministic, no atomics).
+- backward, two kernels: ``dpre = dy · silu'(pre)`` with ``pre`` recomputed from x (x is all the autograd graph
+  keeps, no ``[B·T, C]`` pre-activation) into a buffer in x's dtype, with ``dweight[tap] = Σ_t dpre[t] · x[t −
+  (W−1−tap)]`` summed per program of a persistent grid along time in fp32 and stored as a ``[P, W, C]`` partial
+  reduced in torch after (deterministic, no atomics); then ``dx[t] = Σ_s weight[W-1-s] · dpre[t+s]`` over the
+  outputs ``t + s`` in t's document. Each pass reads its inputs once (the shifted tiles come from L1 / L2). One
+  kernel recomputing dpre at each of the W shifts (no dpre buffer) runs slower on an H200: the W-fold recompute
+  costs more than the buffer's traffic.
 - ``short_conv_state``: one program per (row, channel block) gathers the row's last W inputs.
 
 Tile sizes (``LAUNCH``) are picks from what the kernels compile to for sm_90 (bf16 x, W = 4: no spills), not from
@@ -37,7 +39,8 @@ if triton is not None:
 
 LAUNCH = {
     "fwd": dict(BT=64, BD=64, num_warps=8),
-    "bwd": dict(BT=32, BD=64, num_warps=8, programs_per_sm=16),
+    "dpre": dict(BT=32, BD=64, num_warps=4, programs_per_sm=16),
+    "dx": dict(BT=64, BD=64, num_warps=8),
     "state": dict(BD=128, num_warps=4),
 }
 
@@ -152,14 +155,12 @@ if triton is not None:
                  mask=m_t[:, None] & m_d[None, :])
 
     @triton.jit
-    def _conv_bwd_kernel(x, w, ctx, cu, dy, dx, dw, L, T, C, SX, n_docs, n_steps, n_blocks, s_cb, s_cj, s_cc,
-                         W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                         VARLEN: tl.constexpr, HAS_CTX: tl.constexpr):
-        """Persistent over token blocks pid, pid + P, ...: ``dx[t] = Σ_s weight[W−1−s] · dpre[t+s]`` over the
-        outputs t + s of t's document, with ``dpre[u] = dy[u] · silu'(pre[u])`` and pre recomputed from x at each
-        shift (the shifted tiles come from L1 / L2: x and dy are read from memory once, dx written once, and no
-        ``[B·T, C]`` dpre buffer exists); this program's weight-gradient partial sums ``Σ_t dpre[t] ·
-        x[t − (W−1−tap)]`` into ``dw[pid, tap, channel]`` (``[P, W, C]``)."""
+    def _conv_dpre_kernel(x, w, ctx, cu, dy, dpre, dw, L, T, C, SX, n_docs, n_steps, n_blocks, s_cb, s_cj, s_cc,
+                          W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
+                          VARLEN: tl.constexpr, HAS_CTX: tl.constexpr):
+        """Persistent over token blocks pid, pid + P, ...: ``dpre = dy · silu'(pre)`` of the block (pre recomputed
+        from its W shifted input tiles) into ``dpre``, and this program's weight-gradient partial sums
+        ``Σ_t dpre[t] · x[t − (W−1−tap)]`` into ``dw[pid, tap, channel]`` (``[P, W, C]``)."""
         pid = tl.program_id(0)
         d = tl.program_id(1) * BD + tl.arange(0, BD)
         m_d = d < C
@@ -168,30 +169,39 @@ if triton is not None:
         for blk in range(pid, n_blocks, tl.num_programs(0)):
             t = (blk * BT + tl.arange(0, BT)).to(tl.int64)
             m_t = t < L
-            bos, eos = _doc_bounds(t, cu, n_docs, n_steps, T, VARLEN)
+            m_x = m_t[:, None] & m_d[None, :]
+            bos, _ = _doc_bounds(t, cu, n_docs, n_steps, T, VARLEN)
             cbase = _ctx_base(bos, T, s_cb, s_cj, W) if HAS_CTX else bos
-            acc = tl.zeros([BT, BD], dtype=tl.float32)
-            for s in tl.static_range(W):  # the output t + s, in t's document (so its taps start at t's bos too)
-                u = t + s
-                m_u = m_t & (u < eos)
-                m_x = m_u[:, None] & m_d[None, :]
-                pre = _conv_pre(x, w, ctx, u, bos, cbase, m_u, d, m_d, SX, s_cj, s_cc, W, HAS_CTX)
-                sig = tl.sigmoid(pre)
-                g = tl.load(dy + u[:, None] * C + d[None, :], mask=m_x, other=0.0).to(tl.float32)
-                dp = g * sig * (1.0 + pre * (1.0 - sig))
-                acc += dp * tl.load(w + d * W + (W - 1 - s), mask=m_d, other=0.0).to(tl.float32)[None, :]
-                if s == 0:  # dpre of the block's own tokens: their weight-gradient products, tap by tap
-                    for tap in tl.static_range(W):
-                        src = t - (W - 1 - tap)
-                        inside = src >= bos
-                        xv = tl.load(x + src[:, None] * SX + d[None, :], mask=m_x & inside[:, None],
-                                     other=0.0).to(tl.float32)
-                        if HAS_CTX:
-                            xv += tl.load(ctx + (cbase + src * s_cj)[:, None] + d[None, :] * s_cc,
-                                          mask=m_x & ~inside[:, None], other=0.0).to(tl.float32)
-                        dw_acc += tl.where(taps[None, :] == tap, tl.sum(dp * xv, axis=0)[:, None], 0.0)
-            tl.store(dx + t[:, None] * C + d[None, :], acc.to(dx.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
+            pre = _conv_pre(x, w, ctx, t, bos, cbase, m_t, d, m_d, SX, s_cj, s_cc, W, HAS_CTX)
+            sig = tl.sigmoid(pre)
+            g = tl.load(dy + t[:, None] * C + d[None, :], mask=m_x, other=0.0).to(tl.float32)
+            dp = g * sig * (1.0 + pre * (1.0 - sig))
+            tl.store(dpre + t[:, None] * C + d[None, :], dp.to(dpre.dtype.element_ty), mask=m_x)
+            for tap in tl.static_range(W):  # the tile's inputs again (from L1 / L2): tap reads x[t − (W−1−tap)]
+                src = t - (W - 1 - tap)
+                inside = src >= bos
+                xv = tl.load(x + src[:, None] * SX + d[None, :], mask=m_x & inside[:, None], other=0.0).to(tl.float32)
+                if HAS_CTX:
+                    xv += tl.load(ctx + (cbase + src * s_cj)[:, None] + d[None, :] * s_cc,
+                                  mask=m_x & ~inside[:, None], other=0.0).to(tl.float32)
+                dw_acc += tl.where(taps[None, :] == tap, tl.sum(dp * xv, axis=0)[:, None], 0.0)
         tl.store(dw + pid * W * C + taps[None, :] * C + d[:, None], dw_acc, mask=(taps < W)[None, :] & m_d[:, None])
+
+    @triton.jit
+    def _conv_dx_kernel(w, cu, dpre, dx, L, T, C, n_docs, n_steps, W: tl.constexpr, BT: tl.constexpr,
+                        BD: tl.constexpr, VARLEN: tl.constexpr):
+        """``dx[t] = Σ_s weight[W−1−s] · dpre[t + s]`` over the outputs ``t + s`` of t's document."""
+        t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
+        d = tl.program_id(1) * BD + tl.arange(0, BD)
+        m_t, m_d = t < L, d < C
+        _, eos = _doc_bounds(t, cu, n_docs, n_steps, T, VARLEN)
+        acc = tl.zeros([BT, BD], dtype=tl.float32)
+        for s in tl.static_range(W):
+            u = t + s
+            m_u = m_t & (u < eos)
+            dp = tl.load(dpre + u[:, None] * C + d[None, :], mask=m_u[:, None] & m_d[None, :], other=0.0)
+            acc += dp.to(tl.float32) * tl.load(w + d * W + (W - 1 - s), mask=m_d, other=0.0).to(tl.float32)[None, :]
+        tl.store(dx + t[:, None] * C + d[None, :], acc.to(dx.dtype.element_ty), mask=m_t[:, None] & m_d[None, :])
 
     @triton.jit
     def _state_kernel(x, state, cu, out, T, C, SX, n_docs, n_steps, s_sb, s_sc, s_sw,
@@ -262,18 +272,23 @@ class _ShortConvSiLUFn(torch.autograd.Function):
         width = weight.shape[1]
         dy = dy.contiguous()
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        dpre = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # the pre-activation's gradient, in x's dtype
         n_tokens = batch * seq_len
-        cfg = LAUNCH["bwd"]
+        cfg, cfg_dx = LAUNCH["dpre"], LAUNCH["dx"]
         n_blocks, n_cblocks = triton.cdiv(n_tokens, cfg["BT"]), triton.cdiv(channels, cfg["BD"])
         programs = persistent_programs(x.device, n_blocks, max(n_cblocks, 1), per_sm=cfg["programs_per_sm"])
         dw = torch.zeros(programs, width, channels, dtype=torch.float32, device=x.device)
         cu, n_docs, n_steps = _doc_args(x, cu_seqlens)
         if channels:
-            _conv_bwd_kernel[(programs, n_cblocks)](
-                x, weight, x if context is None else context, cu, dy, dx, dw, n_tokens, seq_len, channels,
+            _conv_dpre_kernel[(programs, n_cblocks)](
+                x, weight, x if context is None else context, cu, dy, dpre, dw, n_tokens, seq_len, channels,
                 x.stride(1), n_docs, n_steps, n_blocks, *(context.stride() if context is not None else (0, 0, 0)),
                 W=width, WP=triton.next_power_of_2(width), BT=cfg["BT"], BD=cfg["BD"],
                 VARLEN=cu_seqlens is not None, HAS_CTX=context is not None, num_warps=cfg["num_warps"])
+        if n_tokens and channels:
+            _conv_dx_kernel[(triton.cdiv(n_tokens, cfg_dx["BT"]), triton.cdiv(channels, cfg_dx["BD"]))](
+                weight, cu, dpre, dx, n_tokens, seq_len, channels, n_docs, n_steps, W=width, BT=cfg_dx["BT"],
+                BD=cfg_dx["BD"], VARLEN=cu_seqlens is not None, num_warps=cfg_dx["num_warps"])
         return dx, dw.sum(0).t().to(weight.dtype), None, None
 
 
