@@ -119,14 +119,14 @@ def sdpa(model, length: int, warmup_length: int, repeats: int, device, dtype) ->
     layers = [layer.mixer for layer in model.model.layers if layer.layer_type == "full_attention"]
     attention = layers[0]
     function = ALL_ATTENTION_FUNCTIONS[model.config._attn_implementation]
-    backends = (sdpa_kernel(modeling_kdamoe._CACHED_SDPA_BACKENDS) if device.type == "cuda"
-                else contextlib.nullcontext())
 
     def call(tokens: int) -> None:
         q = torch.randn(1, attention.num_heads, tokens, attention.head_dim, device=device, dtype=dtype)
         k, v = (torch.randn(1, attention.num_key_value_heads, tokens, attention.head_dim, device=device, dtype=dtype)
                 for _ in range(2))
-        with backends:
+        # a fresh context each call: sdpa_kernel's context manager can be entered once
+        cuda = device.type == "cuda"
+        with sdpa_kernel(modeling_kdamoe._CACHED_SDPA_BACKENDS) if cuda else contextlib.nullcontext():
             function(attention, q, k, v, None, dropout=0.0, scaling=attention.scaling)
 
     call(warmup_length)
