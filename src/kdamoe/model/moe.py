@@ -340,7 +340,8 @@ class _RouterLogits(torch.autograd.Function):
     """`x [N, D] @ weight [E, D]ᵀ -> logits [N, E]` in fp32 whatever autocast says: expert selection and
     the balancing statistics come from these. 16-bit CUDA operands of one dtype take a 16-bit GEMM with fp32 output
     (exact products, fp32 sums: the same logits as widening first, at tensor-core speed); the backward rounds the
-    logits' gradient to that dtype, as any 16-bit linear layer does. Anything else is computed in fp32."""
+    logits' gradient to that dtype, as any 16-bit linear layer does. Anything else is computed in fp32, or in fp64
+    when an operand is fp64 (a float64 model routes in float64: the tests' references)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -349,7 +350,8 @@ class _RouterLogits(torch.autograd.Function):
             if _fp32_output_gemm(x, weight):
                 return torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32).view(
                     *x.shape[:-1], -1)
-            return x.float() @ weight.float().t()
+            wide = _router_dtype(x, weight)
+            return x.to(wide) @ weight.to(wide).t()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -363,12 +365,17 @@ class _RouterLogits(torch.autograd.Function):
                 if ctx.needs_input_grad[1]:
                     grad_w = torch.mm(g.t(), x.reshape(-1, x.shape[-1]), out_dtype=torch.float32).to(weight.dtype)
             else:
+                wide = _router_dtype(x, weight)
                 if ctx.needs_input_grad[0]:
-                    grad_x = (grad @ weight.float()).to(x.dtype)
+                    grad_x = (grad.to(wide) @ weight.to(wide)).to(x.dtype)
                 if ctx.needs_input_grad[1]:
                     g, xs = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-                    grad_w = (g.t() @ xs.float()).to(weight.dtype)
+                    grad_w = (g.to(wide).t() @ xs.to(wide)).to(weight.dtype)
         return grad_x, grad_w
+
+
+def _router_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
 
 
 def _fp32_output_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -379,7 +386,7 @@ class KDAMoERouter(nn.Module):
     """Sigmoid router. `weight [E, D]`; persistent fp32 buffer `bias [E]` used for expert selection only.
 
     `forward(x [N, D]) -> (logits [N, E], scores [N, E], top_k_index [N, k], top_k_weights [N, k], cutoff [N])`,
-    all fp32: `scores = sigmoid(logits)`, experts = top-k of `scores + bias`, weights = the unbiased scores there,
+    all fp32 (fp64 in a float64 model): `scores = sigmoid(logits)`, experts = top-k of `scores + bias`, weights = the unbiased scores there,
     normalised to sum 1 and times `routed_scaling_factor`; `cutoff` = the (k+1)-th largest biased score (`None`
     when k equals the number of experts).
     """
