@@ -21,8 +21,16 @@ same run).
 document of that corpus, and then every document of `--dataset` trains.
 
 **Data order** is a function of the step only: the global batch of step s is `rows` packed rows drawn from a
-shuffled window of one deterministic token stream (`kdamoe.data.PackedBatches`); rank r, micro-batch m takes rows
-`(m * world + r) * micro ...`. A resumed run therefore sees exactly the batches of an uninterrupted one.
+shuffled window of one deterministic token stream (`kdamoe.data.PackedBatches`); data-parallel rank r of `world`,
+micro-batch m takes rows `(m * world + r) * micro ...`. A resumed run therefore sees exactly the batches of an
+uninterrupted one.
+
+**Context parallelism.** `--context-parallel N` splits every row across N consecutive ranks (a torch `DeviceMesh`
+`("dp", "cp")`, see `parallel_layout`): rank c of a group trains columns `[c·L/N, (c+1)·L/N)` of its replica's rows
+through the model's `context_parallel` argument (`kdamoe.model.context_parallel`), whose loss is the mean over the
+group's tokens; world size / N data-parallel replicas split the rows, and DDP / FSDP2 average the gradients over
+every rank (which gives the gradient of the replicas' mean loss, as without it). `torchrun --nproc_per_node 2 -m kdamoe.train --context-parallel 2
+...` trains one process's batches on two.
 
 **Optimizer.** AdamW; no weight decay for 1-D parameters and for names with `A_log`, `dt_bias`, a `bias`, `norm`
 or `attn_res` (see `param_groups`). Learning rate: linear warmup then cosine to `min_lr_ratio * lr`, or WSD
@@ -58,6 +66,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -71,6 +80,9 @@ from .errors import UsageError, check_safetensors, run_cli
 from .offload import HostOffload
 from .presets import PRESETS, get_preset
 
+if TYPE_CHECKING:
+    from .model.context_parallel import ContextParallel
+
 NO_DECAY_MARKERS = ("A_log", "dt_bias", "norm", "attn_res")
 CHECKPOINT_PATTERN = re.compile(r"^step_(\d{8})$")
 RUN_ARTEFACTS = ("run_config.json", "metrics.jsonl", "checkpoints", "final", "tokenizer", "tensorboard")
@@ -83,7 +95,7 @@ DEFAULTS = dict(
     min_lr_ratio=0.1, weight_decay=0.1, beta1=0.9, beta2=0.95, adam_eps=1e-8, warmup_steps=100,
     schedule="cosine", wsd_decay_fraction=0.2, max_grad_norm=1.0, save_every=0, keep_checkpoints=2,
     seed=0, val_rows=32, eval_every=0, shuffle_window_tokens=1 << 20, threads=0, mixed_precision="auto", gradient_checkpointing=False,
-    offload_activations=False,
+    offload_activations=False, context_parallel=1,
 )
 
 
@@ -136,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the activations saved for the backward in host memory (with --gradient-checkpointing: "
                         "the layers' inputs; see kdamoe.offload)")
     t.add_argument("--threads", type=int, help="CPU threads for torch (0: torch's default, one per core)")
+    t.add_argument("--context-parallel", type=int, metavar="N",
+                   help="split every row across groups of N ranks (N divides the number of processes and every "
+                        "stage's sequence length; the other factor is data parallel)")
     o = p.add_argument_group("checkpoints and logging")
     o.add_argument("--save-every", type=int, help="checkpoint every N optimizer steps (0: only at the end)")
     o.add_argument("--keep-checkpoints", type=int, help="how many recent checkpoints to keep")
@@ -339,10 +354,59 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, state
 # --------------------------------------------------------------------------------------------- training
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where this process's share of a batch lies: the `data` data-parallel replicas take different rows (this one
+    is `data_rank`), the `context_size` ranks of a context-parallel group the columns of the same rows (this one is
+    `context_rank`; `context` is the group as the model takes it, None for whole rows)."""
+
+    data: int
+    data_rank: int
+    context: ContextParallel | None = None
+    context_size: int = 1
+    context_rank: int = 0
+
+    def columns(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's columns of every `[B, L]` tensor of `batch` (all of them without context parallelism)."""
+        if self.context is None:
+            return batch
+        part = next(iter(batch.values())).shape[1] // self.context_size
+        return {k: v[:, self.context_rank * part:(self.context_rank + 1) * part] for k, v in batch.items()}
+
+
+def parallel_layout(accelerator: Accelerator, context_parallel: int, lengths: list[int]) -> Layout:
+    """The data x context layout of the processes: with `context_parallel` > 1 a torch `DeviceMesh` `("dp", "cp")`
+    whose `cp` groups (consecutive ranks) split every row, with a process group of their own (so that their
+    collectives never interleave with data parallelism's gradient all-reduce on the default group); DDP / FSDP2 run
+    over every rank as without it. `UsageError` when N does not divide the processes or a stage's row length."""
+    world = accelerator.num_processes
+    if context_parallel < 1:
+        raise UsageError(f"--context-parallel must be >= 1, got {context_parallel}")
+    if world % context_parallel:
+        raise UsageError(f"--context-parallel {context_parallel} does not divide the number of processes ({world}); "
+                         "launch a multiple of it with torchrun or accelerate launch")
+    for length in lengths:
+        if length % context_parallel:
+            raise UsageError(f"--context-parallel {context_parallel} does not divide the sequence length {length} of "
+                             "a stage: every rank holds an equal part of each row")
+    if context_parallel == 1:
+        return Layout(world, accelerator.process_index)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .model.context_parallel import ContextParallel
+
+    mesh = init_device_mesh(accelerator.device.type, (world // context_parallel, context_parallel),
+                            mesh_dim_names=("dp", "cp"), backend_override={"cp": torch.distributed.get_backend()})
+    return Layout(world // context_parallel, mesh.get_local_rank("dp"), ContextParallel(mesh.get_group("cp")),
+                  context_parallel, mesh.get_local_rank("cp"))
+
+
 @torch.no_grad()
-def evaluate(model, accelerator: Accelerator, val: dict[str, torch.Tensor], micro_batch: int) -> float:
-    """Mean next-token loss (nats) over the labelled validation tokens; rows are split across ranks."""
-    world, rank = accelerator.num_processes, accelerator.process_index
+def evaluate(model, accelerator: Accelerator, val: dict[str, torch.Tensor], micro_batch: int,
+             layout: Layout) -> float:
+    """Mean next-token loss (nats) over the labelled validation tokens; rows are split across the data-parallel
+    replicas, columns across a context-parallel group (whose ranks return their rows' loss, counted once a rank)."""
+    world, rank = layout.data, layout.data_rank
     n = val["input_ids"].shape[0] // world * world
     mine = {k: v[rank:n:world] for k, v in val.items()}
     was_training = model.training
@@ -351,7 +415,7 @@ def evaluate(model, accelerator: Accelerator, val: dict[str, torch.Tensor], micr
     for i in range(0, mine["input_ids"].shape[0], micro_batch):
         batch = {k: v[i:i + micro_batch].to(accelerator.device) for k, v in mine.items()}
         count = (batch["labels"][:, 1:] != -100).sum()
-        loss = model(**batch).loss
+        loss = model(**layout.columns(batch), context_parallel=layout.context).loss
         total += torch.stack([loss.double() * count, count.double()])
     total = accelerator.reduce(total, reduction="sum")
     model.train(was_training)
@@ -431,7 +495,9 @@ def train(argv: list[str] | None = None, return_model: bool = False):
                               project_dir=str(out), kwargs_handlers=[ddp])
     world = accelerator.num_processes
     previous_run = check_output_dir(settings)
-    plans = plan_stages(stages, settings["micro_batch_size"], settings["grad_accum"], world)
+    layout = parallel_layout(accelerator, settings["context_parallel"], [length for length, _ in stages])
+    data_world = layout.data  # rows are split across the data-parallel replicas only
+    plans = plan_stages(stages, settings["micro_batch_size"], settings["grad_accum"], data_world)
     set_seed(settings["seed"])
 
     # data (read before anything is written, so that a bad corpus leaves the output folder as it was)
@@ -501,8 +567,8 @@ def train(argv: list[str] | None = None, return_model: bool = False):
         for _ in range(plan.steps):
             step_plan.append(plan)
             offsets.append(consumed)
-            consumed += plan.rows(world) * plan.seq_len
-    batches = PackedBatches(corpus, [(p.seq_len, p.steps, p.rows(world)) for p in plans], settings["seed"],
+            consumed += plan.rows(data_world) * plan.seq_len
+    batches = PackedBatches(corpus, [(p.seq_len, p.steps, p.rows(data_world)) for p in plans], settings["seed"],
                             settings["shuffle_window_tokens"])
 
     metrics_path = out / "metrics.jsonl"
@@ -519,16 +585,16 @@ def train(argv: list[str] | None = None, return_model: bool = False):
         raise RuntimeError("TensorBoard logging is unavailable; install the `tensorboard` package")
 
     n_params = sum(p.numel() for p in raw_model.parameters())
-    accelerator.print(f"model: {n_params / 1e6:.2f}M parameters; world size {world}; mixed precision {mixed}")
+    split = f" ({data_world} data parallel x {layout.context_size} context parallel)" if layout.context else ""
+    accelerator.print(f"model: {n_params / 1e6:.2f}M parameters; world size {world}{split}; mixed precision {mixed}")
     for i, plan in enumerate(plans):
-        accelerator.print(f"stage {i}: seq_len {plan.seq_len}, {plan.steps} steps, {plan.rows(world)} rows/step "
-                          f"(micro-batch {plan.micro_batch} x accum {plan.grad_accum} x {world} ranks)")
+        accelerator.print(f"stage {i}: seq_len {plan.seq_len}, {plan.steps} steps, {plan.rows(data_world)} rows/step "
+                          f"(micro-batch {plan.micro_batch} x accum {plan.grad_accum} x {data_world} ranks)")
     accelerator.print(f"validation: {val['input_ids'].shape[0]} rows x {plans[0].seq_len} tokens; "
                       f"unigram entropy baseline {baseline:.4f} nats")
-    val_before = evaluate(model, accelerator, val, plans[0].micro_batch)
+    val_before = evaluate(model, accelerator, val, plans[0].micro_batch, layout)
     accelerator.print(f"validation loss before training: {val_before:.4f} (ppl {math.exp(val_before):.1f})")
 
-    rank = accelerator.process_index
     cuda = accelerator.device.type == "cuda"
     offload = HostOffload if settings["offload_activations"] else contextlib.nullcontext
     model.train()
@@ -541,20 +607,20 @@ def train(argv: list[str] | None = None, return_model: bool = False):
             torch.cuda.reset_peak_memory_stats(accelerator.device)
         t0 = time.perf_counter()
         plan = step_plan[step]
-        rows = plan.rows(world)
+        rows = plan.rows(data_world)
         tokens, starts = batches.batch(step)
         lr = learning_rate(step, total_steps, settings)
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=accelerator.device)
         for micro in range(plan.grad_accum):
-            first = (micro * world + rank) * plan.micro_batch
-            batch = rows_to_device(tokens[first:first + plan.micro_batch], starts[first:first + plan.micro_batch],
-                                   accelerator.device)
+            first = (micro * data_world + layout.data_rank) * plan.micro_batch
+            batch = layout.columns(rows_to_device(tokens[first:first + plan.micro_batch],
+                                                  starts[first:first + plan.micro_batch], accelerator.device))
             sync = micro == plan.grad_accum - 1
             with contextlib.nullcontext() if sync else accelerator.no_sync(model):
                 with offload():
-                    loss = model(**batch).loss
+                    loss = model(**batch, context_parallel=layout.context).loss
                 accelerator.backward(loss / plan.grad_accum)
             loss_sum += loss.detach()
         grad_norm = accelerator.clip_grad_norm_(model.parameters(), settings["max_grad_norm"])
@@ -573,7 +639,7 @@ def train(argv: list[str] | None = None, return_model: bool = False):
         if cuda:
             record["peak_memory_gib"] = torch.cuda.max_memory_allocated(accelerator.device) / 2**30
         if settings["eval_every"] and (step + 1) % settings["eval_every"] == 0 and step + 1 < end_step:
-            record["val_loss"] = evaluate(model, accelerator, val, plans[0].micro_batch)
+            record["val_loss"] = evaluate(model, accelerator, val, plans[0].micro_batch, layout)
         if accelerator.is_main_process:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -595,7 +661,7 @@ def train(argv: list[str] | None = None, return_model: bool = False):
     if end_step > start_step:
         save_checkpoint(accelerator, out, end_step, {"step": end_step, "fingerprint": fingerprint},
                         settings["keep_checkpoints"])
-    val_after = evaluate(model, accelerator, val, plans[0].micro_batch)
+    val_after = evaluate(model, accelerator, val, plans[0].micro_batch, layout)
     accelerator.print(f"validation loss after {end_step} steps: {val_after:.4f} (ppl {math.exp(val_after):.1f}); "
                       f"before {val_before:.4f}; unigram baseline {baseline:.4f}")
     stages_run = []
@@ -608,8 +674,10 @@ def train(argv: list[str] | None = None, return_model: bool = False):
                           f"{st['loss_last']:.4f}")
     summary = {
         "preset": settings["preset"], "settings": settings, "stages": [plan.__dict__ for plan in plans],
-        "world_size": world, "mixed_precision": mixed, "parameters": n_params, "steps": end_step,
-        "tokens_trained": offsets[end_step - 1] + step_plan[end_step - 1].rows(world) * step_plan[end_step - 1].seq_len,
+        "world_size": world, "context_parallel": layout.context_size, "mixed_precision": mixed,
+        "parameters": n_params, "steps": end_step,
+        "tokens_trained": (offsets[end_step - 1]
+                           + step_plan[end_step - 1].rows(data_world) * step_plan[end_step - 1].seq_len),
         "train_seconds_this_process": train_seconds, "tokens_trained_this_process": trained_tokens,
         "stage_summary": stages_run,
         "val_loss_before": val_before, "val_loss": val_after, "unigram_entropy": baseline,
