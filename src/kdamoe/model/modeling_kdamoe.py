@@ -425,6 +425,14 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
             raise ValueError(f"The checkpoint is incomplete: {len(missing)} weights are missing ({shown}).")
         return (model, info) if output_loading_info else model
 
+    def save_pretrained(self, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`; a ValueError for a model whose experts are sharded across ranks (each
+        rank holds only its own: `expert_parallel.py`)."""
+        if any(getattr(m, "expert_parallel", None) is not None for m in self.modules()):
+            raise ValueError("this model's experts are sharded across ranks (expert parallelism): each rank holds "
+                             "only its own, so there is no whole model to save here")
+        return super().save_pretrained(*args, **kwargs)
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)  # Linear / Embedding: normal(0, initializer_range); RMSNorm: ones

@@ -19,6 +19,8 @@ try:
 except ImportError:
     situ_glu_fwd_triton = situ_glu_bwd_triton = gather_sum_triton = combine_bwd_triton = gather_rows_triton = None
 
+from .expert_parallel import dispatch
+
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
@@ -262,7 +264,9 @@ class KDAMoEExperts(nn.Module):
     sorted by expert and run through grouped GEMMs with the group offsets on the device (`forward_grouped`, no host
     synchronisation: also the decode path); elsewhere a loop over the experts that received tokens (`forward_loop`),
     or under torch.compile or a CUDA graph's recording every expert on every token (`forward_dense`: the loop's
-    shapes depend on the routing). All compute the same function.
+    shapes depend on the routing). All compute the same function. With `expert_parallel` set
+    (`expert_parallel.shard_experts`) the weights hold this rank's experts only and tokens travel to theirs
+    (`expert_parallel.dispatch`).
     """
 
     def __init__(self, config):
@@ -273,8 +277,12 @@ class KDAMoEExperts(nn.Module):
         self.activation = config.expert_activation
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_size, self.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_size, self.intermediate_size))
+        self.expert_parallel = None  # ExpertParallel when the experts are sharded across ranks
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if self.expert_parallel is not None:
+            self._check(hidden, top_k_index, top_k_weights)
+            return dispatch(self, hidden, top_k_index, top_k_weights)
         dtype = hidden.dtype
         if hidden.is_cuda and torch.is_autocast_enabled("cuda"):
             dtype = torch.get_autocast_dtype("cuda")
@@ -296,14 +304,17 @@ class KDAMoEExperts(nn.Module):
                 f"be [N={hidden.shape[0]}, k]"
             )
 
+    def expert_mlp(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """Expert `expert` of this module's weights on rows `x [M, D]` -> `[M, D]` (unweighted)."""
+        return _packed_activation(self.activation, x @ self.gate_up_proj[expert].T) @ self.down_proj[expert].T
+
     def forward_loop(self, hidden, top_k_index, top_k_weights) -> torch.Tensor:
         """Plain loop over the experts that received tokens."""
         self._check(hidden, top_k_index, top_k_weights)
         out = torch.zeros_like(hidden)
         for expert in torch.unique(top_k_index).tolist():
             token, slot = torch.nonzero(top_k_index == expert, as_tuple=True)
-            h = _packed_activation(self.activation, hidden[token] @ self.gate_up_proj[expert].T)
-            y = (h @ self.down_proj[expert].T) * top_k_weights[token, slot, None].to(hidden.dtype)
+            y = self.expert_mlp(hidden[token], expert) * top_k_weights[token, slot, None].to(hidden.dtype)
             out = out.index_add(0, token, y)
         return out
 
