@@ -71,7 +71,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType, set_seed
 from tqdm.auto import tqdm
 
 from .data import (STDLIB, CorpusStream, PackedBatches, describe_corpus, load_corpus, rows_to_batch, unigram_entropy,
@@ -82,6 +82,7 @@ from .presets import PRESETS, get_preset
 
 if TYPE_CHECKING:
     from .model.context_parallel import ContextParallel
+    from .model.expert_parallel import ExpertParallel
 
 NO_DECAY_MARKERS = ("A_log", "dt_bias", "norm", "attn_res")
 CHECKPOINT_PATTERN = re.compile(r"^step_(\d{8})$")
@@ -95,7 +96,7 @@ DEFAULTS = dict(
     min_lr_ratio=0.1, weight_decay=0.1, beta1=0.9, beta2=0.95, adam_eps=1e-8, warmup_steps=100,
     schedule="cosine", wsd_decay_fraction=0.2, max_grad_norm=1.0, save_every=0, keep_checkpoints=2,
     seed=0, val_rows=32, eval_every=0, shuffle_window_tokens=1 << 20, threads=0, mixed_precision="auto", gradient_checkpointing=False,
-    offload_activations=False, context_parallel=1,
+    offload_activations=False, context_parallel=1, expert_parallel=1,
 )
 
 
@@ -151,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--context-parallel", type=int, metavar="N",
                    help="split every row across groups of N ranks (N divides the number of processes and every "
                         "stage's sequence length; the other factor is data parallel)")
+    t.add_argument("--expert-parallel", type=int, metavar="N",
+                   help="shard every MoE layer's experts across groups of N ranks (N divides the number of "
+                        "processes and of experts; DDP only)")
     o = p.add_argument_group("checkpoints and logging")
     o.add_argument("--save-every", type=int, help="checkpoint every N optimizer steps (0: only at the end)")
     o.add_argument("--keep-checkpoints", type=int, help="how many recent checkpoints to keep")
@@ -326,8 +330,10 @@ def check_output_dir(settings: dict) -> list[str]:
     return existing
 
 
-def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, state: dict, keep: int) -> Path:
-    """`accelerator.save_state` into `checkpoints/.tmp-step_N`, then `trainer_state.json`, then rename."""
+def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, state: dict, keep: int,
+                    rank_state: dict | None = None) -> Path:
+    """`accelerator.save_state` into `checkpoints/.tmp-step_N` (and `rank_state`, what differs between ranks, into
+    `rank{R}.pt` by every rank), then `trainer_state.json`, then rename."""
     root = output_dir / "checkpoints"
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-{final.name}"
@@ -336,6 +342,8 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, state
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
+    if rank_state is not None:
+        torch.save(rank_state, tmp / f"rank{accelerator.process_index}.pt")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         with open(tmp / "trainer_state.json", "w") as f:
@@ -399,6 +407,41 @@ def parallel_layout(accelerator: Accelerator, context_parallel: int, lengths: li
                             mesh_dim_names=("dp", "cp"), backend_override={"cp": torch.distributed.get_backend()})
     return Layout(world // context_parallel, mesh.get_local_rank("dp"), ContextParallel(mesh.get_group("cp")),
                   context_parallel, mesh.get_local_rank("cp"))
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Expert parallelism of a run: `group` (an `ExpertParallel`) shards the experts, `replicas` is the process
+    group of the ranks holding the same shard (None when each shard lives on one rank)."""
+
+    group: ExpertParallel
+    replicas: object = None
+
+
+def expert_layout(accelerator: Accelerator, expert_parallel: int) -> ExpertLayout | None:
+    """`--expert-parallel N`: a torch `DeviceMesh` `("ep_replicate", "ep")` of shape `(world / N, N)`, its groups of
+    their own (beside DDP's). `UsageError` when N does not divide the processes, or under FSDP (which would shard
+    the experts' shards again)."""
+    world = accelerator.num_processes
+    if expert_parallel < 1:
+        raise UsageError(f"--expert-parallel must be >= 1, got {expert_parallel}")
+    if world % expert_parallel:
+        raise UsageError(f"--expert-parallel {expert_parallel} does not divide the number of processes ({world}); "
+                         "launch a multiple of it with torchrun or accelerate launch")
+    if expert_parallel == 1:
+        return None
+    if accelerator.distributed_type == DistributedType.FSDP:
+        raise UsageError("--expert-parallel runs under DDP (torchrun or accelerate launch without an FSDP config)")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .model.expert_parallel import ExpertParallel
+
+    backend = torch.distributed.get_backend()
+    mesh = init_device_mesh(accelerator.device.type, (world // expert_parallel, expert_parallel),
+                            mesh_dim_names=("ep_replicate", "ep"),
+                            backend_override={"ep": backend, "ep_replicate": backend})
+    replicas = mesh.get_group("ep_replicate") if world > expert_parallel else None
+    return ExpertLayout(ExpertParallel(mesh.get_group("ep")), replicas)
 
 
 @torch.no_grad()
@@ -468,6 +511,8 @@ def train(argv: list[str] | None = None, return_model: bool = False):
     from transformers import GenerationConfig
 
     from .model.configuration_kdamoe import KDAMoEConfig
+    from .model.expert_parallel import (clip_grad_norm_, expert_gradients, expert_parameter_names, gather_experts,
+                                        shard_experts)
     from .model.modeling_kdamoe import KDAMoEForCausalLM
 
     settings, model_kwargs, limits = resolve_settings(argv)
@@ -496,6 +541,7 @@ def train(argv: list[str] | None = None, return_model: bool = False):
     world = accelerator.num_processes
     previous_run = check_output_dir(settings)
     layout = parallel_layout(accelerator, settings["context_parallel"], [length for length, _ in stages])
+    experts = expert_layout(accelerator, settings["expert_parallel"])
     data_world = layout.data  # rows are split across the data-parallel replicas only
     plans = plan_stages(stages, settings["micro_batch_size"], settings["grad_accum"], data_world)
     set_seed(settings["seed"])
@@ -523,6 +569,11 @@ def train(argv: list[str] | None = None, return_model: bool = False):
                                      "eos_token_id": tokenizer.eos_token_id})
         except ValueError as error:
             raise UsageError(f"model config: {error}") from error
+        if experts is not None and ("sparse" not in config.mlp_layer_types
+                                    or config.num_experts % experts.group.size):
+            raise UsageError(f"--expert-parallel {experts.group.size} needs MoE layers whose experts it divides "
+                             f"(the model has {config.num_experts} experts, "
+                             f"{config.mlp_layer_types.count('sparse')} MoE layers)")
     except UsageError:  # a user error before training: leave no half-made run behind
         if accelerator.is_main_process:
             for path in [out] if created else new:
@@ -534,12 +585,24 @@ def train(argv: list[str] | None = None, return_model: bool = False):
     fingerprint = _fingerprint(settings, config.to_dict(), world)
     model = KDAMoEForCausalLM(config)
     model.config.fuse_linear_cross_entropy = True  # the loss without [tokens, vocab] logits; saved folders say False
+    sharded = []
+    if experts is not None:  # every rank built the same weights (one seed); each keeps its experts
+        shard_experts(model, experts.group)
+        sharded = expert_parameter_names(model)
+        model._ddp_params_and_buffers_to_ignore = sharded  # DDP leaves them alone: expert_gradients reduces them
     if settings["gradient_checkpointing"]:  # transformers >= 5.2x names it activation_checkpointing_enable
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     optimizer = torch.optim.AdamW(param_groups(model, settings["weight_decay"]), lr=settings["lr"],
                                   betas=(settings["beta1"], settings["beta2"]), eps=settings["adam_eps"])
     model, optimizer = accelerator.prepare(model, optimizer)
     raw_model = accelerator.unwrap_model(model)
+
+    def rank_state() -> dict | None:
+        """What a checkpoint keeps per rank: its expert shards and its optimizer state (theirs included)."""
+        if experts is None:
+            return None
+        named = dict(raw_model.named_parameters())
+        return {"experts": {name: named[name].detach() for name in sharded}, "optimizer": optimizer.state_dict()}
 
     start_step = 0
     checkpoint = latest_checkpoint(out) if settings["resume"] else None
@@ -551,6 +614,14 @@ def train(argv: list[str] | None = None, return_model: bool = False):
             raise UsageError(f"checkpoint {checkpoint} comes from a different config: " + "; ".join(diffs))
         check_safetensors(checkpoint, f"delete {checkpoint} to resume from the checkpoint before it")
         accelerator.load_state(str(checkpoint))
+        if experts is not None:  # load_state gave every rank the main process's shards
+            mine = torch.load(checkpoint / f"rank{accelerator.process_index}.pt", map_location="cpu",
+                              weights_only=True)
+            named = dict(raw_model.named_parameters())
+            with torch.no_grad():
+                for name, value in mine["experts"].items():
+                    named[name].copy_(value)
+            optimizer.load_state_dict(mine["optimizer"])
         start_step = state["step"]
         accelerator.print(f"resumed from {checkpoint} at step {start_step}")
         info = out / "final" / "training_info.json"
@@ -586,6 +657,7 @@ def train(argv: list[str] | None = None, return_model: bool = False):
 
     n_params = sum(p.numel() for p in raw_model.parameters())
     split = f" ({data_world} data parallel x {layout.context_size} context parallel)" if layout.context else ""
+    split += f"; experts sharded over {experts.group.size} ranks" if experts else ""
     accelerator.print(f"model: {n_params / 1e6:.2f}M parameters; world size {world}{split}; mixed precision {mixed}")
     for i, plan in enumerate(plans):
         accelerator.print(f"stage {i}: seq_len {plan.seq_len}, {plan.steps} steps, {plan.rows(data_world)} rows/step "
@@ -623,7 +695,11 @@ def train(argv: list[str] | None = None, return_model: bool = False):
                     loss = model(**batch, context_parallel=layout.context).loss
                 accelerator.backward(loss / plan.grad_accum)
             loss_sum += loss.detach()
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), settings["max_grad_norm"])
+        if experts is not None:
+            expert_gradients(raw_model, world, experts.replicas)
+            grad_norm = clip_grad_norm_(raw_model, settings["max_grad_norm"])
+        else:
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), settings["max_grad_norm"])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         balance = raw_model.apply_load_balancing()
@@ -654,13 +730,13 @@ def train(argv: list[str] | None = None, return_model: bool = False):
         bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_second']:.0f}")
         if settings["save_every"] and (step + 1) % settings["save_every"] == 0 and step + 1 < end_step:
             save_checkpoint(accelerator, out, step + 1, {"step": step + 1, "fingerprint": fingerprint},
-                            settings["keep_checkpoints"])
+                            settings["keep_checkpoints"], rank_state())
     bar.close()
     train_seconds = time.perf_counter() - started
 
     if end_step > start_step:
         save_checkpoint(accelerator, out, end_step, {"step": end_step, "fingerprint": fingerprint},
-                        settings["keep_checkpoints"])
+                        settings["keep_checkpoints"], rank_state())
     val_after = evaluate(model, accelerator, val, plans[0].micro_batch, layout)
     accelerator.print(f"validation loss after {end_step} steps: {val_after:.4f} (ppl {math.exp(val_after):.1f}); "
                       f"before {val_before:.4f}; unigram baseline {baseline:.4f}")
@@ -674,7 +750,8 @@ def train(argv: list[str] | None = None, return_model: bool = False):
                           f"{st['loss_last']:.4f}")
     summary = {
         "preset": settings["preset"], "settings": settings, "stages": [plan.__dict__ for plan in plans],
-        "world_size": world, "context_parallel": layout.context_size, "mixed_precision": mixed,
+        "world_size": world, "context_parallel": layout.context_size,
+        "expert_parallel": experts.group.size if experts else 1, "mixed_precision": mixed,
         "parameters": n_params, "steps": end_step,
         "tokens_trained": (offsets[end_step - 1]
                            + step_plan[end_step - 1].rows(data_world) * step_plan[end_step - 1].seq_len),
@@ -687,6 +764,8 @@ def train(argv: list[str] | None = None, return_model: bool = False):
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                      "transformers": __import__("transformers").__version__},
     }
+    if experts is not None:  # every rank holds every expert again, for the whole model's folder
+        gather_experts(raw_model)
     save_final(accelerator, model, tokenizer, out, summary,
                GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                 pad_token_id=tokenizer.pad_token_id, max_new_tokens=128))

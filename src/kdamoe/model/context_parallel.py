@@ -248,12 +248,12 @@ class RowShard:
     conv_cu_seqlens: torch.Tensor | None
 
     @classmethod
-    def build(cls, context_parallel: ContextParallel, batch: int, seq_len: int, device, position_ids=None,
-              token_mask=None, cu_seqlens=None, conv_width: int = 1) -> "RowShard":
-        """From this rank's ``position_ids [B, T]`` (None: one document a row), ``token_mask [B, T]`` (None: no
-        padding), the host ``cu_seqlens`` of its packed tokens (``PackedDocuments``; None when every row holds one
-        document here) and the short convolutions' kernel width. Collectives: an all-gather of each row's last
-        document start ``[B]``, and of the padding when there is some."""
+    def build(cls, context_parallel: ContextParallel, batch: int, seq_len: int, device, conv_width: int,
+              position_ids=None, attention_mask=None, cu_seqlens=None) -> "RowShard":
+        """From the short convolutions' kernel width, this rank's ``position_ids [B, T]`` (None: one document a
+        row), ``attention_mask [B, T]`` (1 = real token; None: no padding) and the host ``cu_seqlens`` of its packed
+        tokens (``PackedDocuments``; None when every row holds one document here). Collectives: an all-gather of
+        each row's last document start ``[B]``, and of the attention mask when one is given (every rank or none)."""
         rank, offset = context_parallel.rank, context_parallel.rank * seq_len
         group = context_parallel.group
         if position_ids is None:
@@ -268,8 +268,8 @@ class RowShard:
         incoming = torch.stack(gathered[:rank]).amax(0) if rank else torch.zeros_like(last_start)
         doc_start = torch.where(starts.to(device), offset + columns.to(device), incoming[:, None]).cummax(1).values
         key_mask = None
-        if token_mask is not None:
-            key_mask = gather_sequence(token_mask.to(torch.uint8), group).bool()[:, : offset + seq_len]
+        if attention_mask is not None:
+            key_mask = gather_sequence(attention_mask.to(torch.uint8), group).bool()[:, : offset + seq_len]
         conv_cu = None
         if cu_seqlens is not None:  # each row's part as [W - 1 context | T tokens]: offsets shift by W - 1 a row
             cu = cu_seqlens.to(torch.int64)

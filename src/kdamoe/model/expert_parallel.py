@@ -3,8 +3,9 @@
 Rank e of a group of P holds experts ``[e·E/P, (e+1)·E/P)`` of each layer (``shard_experts``); the router, shared
 experts and everything else stay whole on every rank, and each rank routes its own tokens. A layer's forward sends
 each (token, slot) to the rank holding its expert with one ``all_to_all_single`` (the split sizes first, one small
-exchange of ``[E]`` counts), runs the local experts on what it received, and sends the results back with a second
-all-to-all; the source rank weights them by the routing weights and sums each token's slots. Each all-to-all's
+exchange of ``[E]`` counts, read on the host), runs the local experts on what it received (sorted by expert: the
+grouped GEMMs on CUDA in bf16, else a loop, ``KDAMoEExperts.forward_sorted``), and sends the results back with a
+second all-to-all; the source rank weights them by the routing weights and sums each token's slots. Each all-to-all's
 backward is the reverse all-to-all, so the expert weights' gradients hold every rank's tokens' contributions and the
 router's and the tokens' their own.
 
@@ -71,19 +72,20 @@ def dispatch(experts, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_wei
     send = counts.view(ranks, local).sum(1).tolist()
     receive = arriving.view(ranks, local).sum(1).tolist()
     x = _AllToAll.apply(hidden[order // top_k], send, receive, group)  # [M, D], by source rank, then expert
-    expert_of = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(ranks), arriving)
-    y = torch.zeros_like(x)
-    for expert in torch.unique(expert_of).tolist():
-        rows = torch.nonzero(expert_of == expert).squeeze(1)
-        y = y.index_add(0, rows, experts.expert_mlp(x[rows], expert))
+    expert_of = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(ranks), arriving.view(-1))
+    by_expert = torch.argsort(expert_of, stable=True)
+    arrival = torch.empty_like(by_expert)
+    arrival[by_expert] = torch.arange(len(by_expert), device=x.device)
+    y = experts.forward_sorted(x[by_expert], arriving.view(ranks, local).sum(0))[arrival]
     back = _AllToAll.apply(y, receive, send, group)  # [N·k, D] in `order`
     weights = top_k_weights.reshape(-1)[order].to(back.dtype)
     return hidden.new_zeros(hidden.shape).index_add(0, order // top_k, back * weights[:, None])
 
 
 def shard_experts(model: torch.nn.Module, parallel: ExpertParallel) -> torch.nn.Module:
-    """Keep on this rank only its experts of every MoE layer of ``model`` (in place; the same full weights on every
-    rank beforehand, e.g. one seed). A ValueError when the group's size does not divide the number of experts."""
+    """Keep on this rank only its experts of every MoE layer of ``model`` (in place, new parameters: build the
+    optimizer after; the same full weights on every rank beforehand, e.g. one seed). A ValueError when the group's
+    size does not divide the number of experts."""
     for module in model.modules():
         if hasattr(module, "gate_up_proj") and hasattr(module, "expert_parallel"):
             if module.expert_parallel is not None:
@@ -99,17 +101,21 @@ def shard_experts(model: torch.nn.Module, parallel: ExpertParallel) -> torch.nn.
     return model
 
 
-def expert_gradients(model: torch.nn.Module, data_world: int, replicas=None) -> None:
-    """Scale the sharded experts' gradients for data parallelism over ``data_world`` ranks (module docstring):
-    summed over ``replicas`` (the group of ranks holding the same shard, None when each shard lives on one rank),
-    divided by ``data_world``."""
-    for module in model.modules():
-        if getattr(module, "expert_parallel", None) is not None:
-            for param in (module.gate_up_proj, module.down_proj):
-                if param.grad is not None:
-                    if replicas is not None:
-                        dist.all_reduce(param.grad, group=replicas)
-                    param.grad /= data_world
+def gather_experts(model: torch.nn.Module) -> torch.nn.Module:
+    """The inverse of ``shard_experts``: every rank holds every expert again (in place; a collective)."""
+    for module in _sharded(model):
+        parallel = module.expert_parallel
+        for name in ("gate_up_proj", "down_proj"):
+            shard = getattr(module, name).data.contiguous()
+            parts = [torch.empty_like(shard) for _ in range(parallel.size)]
+            dist.all_gather(parts, shard, group=parallel.group)
+            setattr(module, name, torch.nn.Parameter(torch.cat(parts)))
+        module.expert_parallel = None
+    return model
+
+
+def _sharded(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if getattr(m, "expert_parallel", None) is not None]
 
 
 def expert_parameter_names(model: torch.nn.Module) -> list[str]:
@@ -118,4 +124,40 @@ def expert_parameter_names(model: torch.nn.Module) -> list[str]:
             if getattr(module, "expert_parallel", None) is not None for leaf in ("gate_up_proj", "down_proj")]
 
 
-__all__ = ["ExpertParallel", "dispatch", "expert_gradients", "expert_parameter_names", "shard_experts"]
+def expert_gradients(model: torch.nn.Module, data_world: int, replicas=None) -> None:
+    """Scale the sharded experts' gradients for data parallelism over ``data_world`` ranks (module docstring):
+    summed over ``replicas`` (the group of ranks holding the same shard, None when each shard lives on one rank),
+    divided by ``data_world``."""
+    for module in _sharded(model):
+        for param in (module.gate_up_proj, module.down_proj):
+            if param.grad is not None:
+                if replicas is not None:
+                    dist.all_reduce(param.grad, group=replicas)
+                param.grad /= data_world
+
+
+def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over the whole model across the expert-parallel ranks: the replicated
+    gradients (the same on every rank) once, each expert shard's once (summed over the group), so every rank scales
+    by the same factor. Returns the total norm."""
+    sharded = {id(p) for m in _sharded(model) for p in (m.gate_up_proj, m.down_proj)}
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    squares = torch.zeros(2, dtype=torch.float64, device=grads[0].device)  # [replicated, sharded]
+    for p in model.parameters():
+        if p.grad is not None:
+            squares[int(id(p) in sharded)] += p.grad.double().pow(2).sum()
+    if sharded:
+        shard_sum = squares[1:].clone()
+        dist.all_reduce(shard_sum, group=_sharded(model)[0].expert_parallel.group)
+        squares[1:] = shard_sum
+    total = squares.sum().sqrt()
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for grad in grads:
+        grad.mul_(scale.to(grad.dtype))
+    return total.float()
+
+
+__all__ = ["ExpertParallel", "clip_grad_norm_", "dispatch", "expert_gradients", "expert_parameter_names",
+           "gather_experts", "shard_experts"]

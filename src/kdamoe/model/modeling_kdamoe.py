@@ -551,9 +551,8 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
             packed = PackedDocuments.from_position_ids(position_ids, inputs_embeds.device, token_mask)
         shard = None
         if context_parallel is not None:
-            shard = RowShard.build(context_parallel, batch, seq_len, inputs_embeds.device, position_ids,
-                                   attention_mask, packed.cu_seqlens if packed is not None else None,
-                                   self.config.kda_conv_size)
+            shard = RowShard.build(context_parallel, batch, seq_len, inputs_embeds.device, self.config.kda_conv_size,
+                                   position_ids, attention_mask, packed.cu_seqlens if packed is not None else None)
             attends = "full_attention" in self.config.layer_types
             mask = shard.attention_mask(DENSE_MASK_ELEMENTS) if attends else None
         elif past_len is None:  # a static cache's later forwards attend to everything it holds

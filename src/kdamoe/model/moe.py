@@ -283,17 +283,33 @@ class KDAMoEExperts(nn.Module):
         if self.expert_parallel is not None:
             self._check(hidden, top_k_index, top_k_weights)
             return dispatch(self, hidden, top_k_index, top_k_weights)
-        dtype = hidden.dtype
-        if hidden.is_cuda and torch.is_autocast_enabled("cuda"):
-            dtype = torch.get_autocast_dtype("cuda")
-        if (
-            hidden.is_cuda and dtype == torch.bfloat16 and _GROUPED_MM is not None
-            and self.hidden_size % 8 == 0 and self.intermediate_size % 8 == 0
-        ):
+        if (dtype := self.grouped_dtype(hidden)) is not None:
             return self.forward_grouped(hidden.to(dtype), top_k_index, top_k_weights)
         if torch.compiler.is_compiling() or (hidden.is_cuda and torch.cuda.is_current_stream_capturing()):
             return self.forward_dense(hidden, top_k_index, top_k_weights)
         return self.forward_loop(hidden, top_k_index, top_k_weights)
+
+    def grouped_dtype(self, hidden: torch.Tensor) -> torch.dtype | None:
+        """The dtype the grouped GEMMs run `hidden` in (bf16 on CUDA, autocast's dtype under autocast), or None
+        where they do not run."""
+        dtype = hidden.dtype
+        if hidden.is_cuda and torch.is_autocast_enabled("cuda"):
+            dtype = torch.get_autocast_dtype("cuda")
+        if (hidden.is_cuda and dtype == torch.bfloat16 and _GROUPED_MM is not None
+                and self.hidden_size % 8 == 0 and self.intermediate_size % 8 == 0):
+            return dtype
+        return None
+
+    def forward_sorted(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows `x [M, D]` sorted by expert, `counts [E]` rows for each of this module's experts -> the experts'
+        unweighted outputs `[M, D]`: two grouped GEMMs where `grouped_dtype` says so, else a loop over the experts
+        (reads `counts` on the host)."""
+        if (dtype := self.grouped_dtype(x)) is not None:
+            offs = counts.cumsum(0).to(torch.int32)
+            h = _packed_activation(self.activation, _grouped_linear(x.to(dtype), self.gate_up_proj, offs))
+            return _grouped_linear(h, self.down_proj, offs)
+        parts = x.split(counts.tolist())
+        return torch.cat([self.expert_mlp(part, e) if len(part) else part for e, part in enumerate(parts)])
 
     def _check(self, hidden, top_k_index, top_k_weights) -> None:
         if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
