@@ -29,8 +29,13 @@ uninterrupted one.
 `("dp", "cp")`, see `parallel_layout`): rank c of a group trains columns `[c·L/N, (c+1)·L/N)` of its replica's rows
 through the model's `context_parallel` argument (`kdamoe.model.context_parallel`), whose loss is the mean over the
 group's tokens; world size / N data-parallel replicas split the rows, and DDP / FSDP2 average the gradients over
-every rank (which gives the gradient of the replicas' mean loss, as without it). `torchrun --nproc_per_node 2 -m kdamoe.train --context-parallel 2
-...` trains one process's batches on two.
+every rank (which gives the gradient of the replicas' mean loss, as without it). `torchrun --nproc_per_node 2 -m
+kdamoe.train --context-parallel 2 ...` trains one process's batches on two.
+
+**Expert parallelism.** `--expert-parallel N` shards every MoE layer's experts across N consecutive ranks (a
+`DeviceMesh` `("ep_replicate", "ep")`, see `expert_layout` and `kdamoe.model.expert_parallel`); each rank still
+trains its own rows. DDP leaves the expert weights to `expert_gradients`; clipping counts each shard once;
+checkpoints keep each rank's shards and optimizer state (`rank{R}.pt`); `final/` holds the gathered model.
 
 **Optimizer.** AdamW; no weight decay for 1-D parameters and for names with `A_log`, `dt_bias`, a `bias`, `norm`
 or `attn_res` (see `param_groups`). Learning rate: linear warmup then cosine to `min_lr_ratio * lr`, or WSD
@@ -585,6 +590,7 @@ def train(argv: list[str] | None = None, return_model: bool = False):
     fingerprint = _fingerprint(settings, config.to_dict(), world)
     model = KDAMoEForCausalLM(config)
     model.config.fuse_linear_cross_entropy = True  # the loss without [tokens, vocab] logits; saved folders say False
+    n_params = sum(p.numel() for p in model.parameters())  # the whole model's, before any sharding
     sharded = []
     if experts is not None:  # every rank built the same weights (one seed); each keeps its experts
         shard_experts(model, experts.group)
@@ -655,7 +661,6 @@ def train(argv: list[str] | None = None, return_model: bool = False):
     if accelerator.is_main_process and not accelerator.trackers:
         raise RuntimeError("TensorBoard logging is unavailable; install the `tensorboard` package")
 
-    n_params = sum(p.numel() for p in raw_model.parameters())
     split = f" ({data_world} data parallel x {layout.context_size} context parallel)" if layout.context else ""
     split += f"; experts sharded over {experts.group.size} ranks" if experts else ""
     accelerator.print(f"model: {n_params / 1e6:.2f}M parameters; world size {world}{split}; mixed precision {mixed}")

@@ -366,8 +366,9 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
     ):
         """`partial: [B, T, D] | None` and the `completed` sources, each `[B, T, D]` (see `ResidualState`; passed as
         positional tensors so that gradient checkpointing sees them); `positions`: the new tokens' places in a static
-        cache; `shard`: this rank's part of context-parallel rows. Returns the new partial sum, the mixer input `[B, T, D]` (this layer's hidden state), the router logits
-        `[B*T, E]` and the auxiliary loss (MoE layers; None otherwise), then the new completed sources."""
+        cache; `shard`: this rank's part of context-parallel rows. Returns the new partial sum, the mixer input
+        `[B, T, D]` (this layer's hidden state), the router logits `[B*T, E]` and the auxiliary loss (MoE layers; None
+        otherwise), then the new completed sources."""
         state = ResidualState(completed, partial)
         mixer_input = state.read(self.mixer_attn_res)
         x = self.mixer_norm(mixer_input)

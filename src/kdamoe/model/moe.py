@@ -413,9 +413,9 @@ class KDAMoERouter(nn.Module):
     """Sigmoid router. `weight [E, D]`; persistent fp32 buffer `bias [E]` used for expert selection only.
 
     `forward(x [N, D]) -> (logits [N, E], scores [N, E], top_k_index [N, k], top_k_weights [N, k], cutoff [N])`,
-    all fp32 (fp64 in a float64 model): `scores = sigmoid(logits)`, experts = top-k of `scores + bias`, weights = the unbiased scores there,
-    normalised to sum 1 and times `routed_scaling_factor`; `cutoff` = the (k+1)-th largest biased score (`None`
-    when k equals the number of experts).
+    all fp32 (fp64 in a float64 model): `scores = sigmoid(logits)`, experts = top-k of `scores + bias`, weights =
+    the unbiased scores there, normalised to sum 1 and times `routed_scaling_factor`; `cutoff` = the (k+1)-th
+    largest biased score (`None` when k equals the number of experts).
     """
 
     def __init__(self, config):
