@@ -390,9 +390,9 @@ def test_block_output_equals_router_plus_experts_plus_shared(num_shared):
     ref = naive_experts(block.experts, flat, index, w / w.sum(-1, keepdim=True))
     if num_shared:
         ref = ref + block.shared_experts(flat)
-    assert aux is None and logits.dtype == torch.float32 and logits.shape == (10, 6)
-    torch.testing.assert_close(logits.double(), ref_logits, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(out, ref.view(2, 5, 16), rtol=1e-5, atol=1e-6)  # routing weights are fp32
+    assert aux is None and logits.dtype == torch.float64 and logits.shape == (10, 6)  # a float64 block routes in it
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, ref.view(2, 5, 16), rtol=1e-12, atol=1e-12)
 
 
 def test_aux_loss_switch_style():

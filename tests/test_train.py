@@ -313,3 +313,79 @@ def test_torchrun_two_ranks_stay_in_sync(setup, base_run, tmp_path):
     ddp_losses, base_losses = [r["loss"] for r in metrics(out)], [r["loss"] for r in metrics(base_out)]
     assert ddp_losses == pytest.approx(base_losses, abs=2e-3)
     assert info["val_loss"] == pytest.approx(base_summary["val_loss"], abs=2e-3)
+
+
+def test_torchrun_context_parallel_trains_as_one_process(setup, base_run, tmp_path):
+    """--context-parallel 2 on 2 gloo ranks: each rank trains half of every row of the single process's batches; the
+    loss of each step (the mean over both halves) and the validation loss are the single process's, and both ranks
+    hold the same weights and router biases."""
+    script = tmp_path / "digest.py"
+    script.write_text(DIGEST)
+    out = tmp_path / "cp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(script), str(tmp_path), "--config", setup["config"], "--tokenizer", setup["tokenizer"],
+           "--output-dir", str(out), "--stages", "64:16", "--max-steps", "3", "--context-parallel", "2"]
+    result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1))
+    assert r0 == r1
+    base_out, base_summary = base_run
+    info = json.loads((out / "final" / "training_info.json").read_text())
+    assert info["world_size"] == 2 and info["context_parallel"] == 2
+    cp_losses, base_losses = [r["loss"] for r in metrics(out)], [r["loss"] for r in metrics(base_out)][:3]
+    assert cp_losses[0] == pytest.approx(base_losses[0], rel=1e-6, abs=0)  # the same weights, batch and loss
+    assert cp_losses == pytest.approx(base_losses, rel=1e-4, abs=0)  # then fp32 rounding of different sums
+    assert info["val_loss_before"] == pytest.approx(base_summary["val_loss_before"], rel=1e-6, abs=0)
+
+
+def test_context_parallel_errors(setup, tmp_path):
+    """--context-parallel N must divide the number of processes and every stage's row length."""
+    with pytest.raises(ValueError, match=r"--context-parallel 2 does not divide the number of processes \(1\)"):
+        run(setup, tmp_path / "a", "--stages", "64:1", "--context-parallel", "2")
+    with pytest.raises(ValueError, match="--context-parallel must be >= 1"):
+        run(setup, tmp_path / "b", "--stages", "64:1", "--context-parallel", "0")
+    four = type("Accelerator", (), {"num_processes": 4, "process_index": 0})()
+    with pytest.raises(ValueError, match="--context-parallel 2 does not divide the sequence length 63"):
+        train_module.parallel_layout(four, 2, [64, 63])
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_torchrun_expert_parallel_trains_as_one_process_and_resumes(setup, base_run, tmp_path):
+    """--expert-parallel 2 on 2 gloo ranks x micro-batch 2: each rank holds half of every MoE layer's experts and the
+    losses are the single process's (micro-batch 4); `final/` holds the whole model (gathered), the same on both
+    ranks; a run stopped after 2 steps resumes (each rank's expert shards and optimizer state) into the same step 3."""
+    script = tmp_path / "digest.py"
+    script.write_text(DIGEST)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def launch(out, *flags):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(script), str(tmp_path), "--config", setup["config"], "--tokenizer", setup["tokenizer"],
+               "--output-dir", str(out), "--stages", "64:16", "--micro-batch-size", "2", "--expert-parallel", "2",
+               *flags]
+        result = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        assert result.returncode == 0, result.stderr[-4000:]
+        return [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)]
+
+    r0, r1 = launch(tmp_path / "ep", "--max-steps", "3")
+    assert r0 == r1
+    base_out, _ = base_run
+    ep_losses, base_losses = [r["loss"] for r in metrics(tmp_path / "ep")], [r["loss"] for r in metrics(base_out)]
+    assert ep_losses[0] == pytest.approx(base_losses[0], rel=1e-6, abs=0)
+    assert ep_losses == pytest.approx(base_losses[:3], rel=1e-4, abs=0)
+    info = json.loads((tmp_path / "ep" / "final" / "training_info.json").read_text())
+    assert info["expert_parallel"] == 2
+    whole = KDAMoEForCausalLM.from_pretrained(tmp_path / "ep" / "final")
+    assert all(layer.ffn.experts.gate_up_proj.shape[0] == 4 for layer in whole.model.layers if layer.is_moe)
+
+    launch(tmp_path / "resumed", "--max-steps", "2")
+    s0, _ = launch(tmp_path / "resumed", "--max-steps", "3", "--resume")
+    assert s0["sha256"] == r0["sha256"]  # the same weights as the uninterrupted run
+    assert [r["loss"] for r in metrics(tmp_path / "resumed")] == ep_losses
+
+
+def test_expert_parallel_errors(setup, tmp_path):
+    with pytest.raises(ValueError, match=r"--expert-parallel 2 does not divide the number of processes \(1\)"):
+        run(setup, tmp_path / "a", "--stages", "64:1", "--expert-parallel", "2")
+    with pytest.raises(ValueError, match="--expert-parallel must be >= 1"):
+        run(setup, tmp_path / "b", "--stages", "64:1", "--expert-parallel", "0")

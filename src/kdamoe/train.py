@@ -21,8 +21,21 @@ same run).
 document of that corpus, and then every document of `--dataset` trains.
 
 **Data order** is a function of the step only: the global batch of step s is `rows` packed rows drawn from a
-shuffled window of one deterministic token stream (`kdamoe.data.PackedBatches`); rank r, micro-batch m takes rows
-`(m * world + r) * micro ...`. A resumed run therefore sees exactly the batches of an uninterrupted one.
+shuffled window of one deterministic token stream (`kdamoe.data.PackedBatches`); data-parallel rank r of `world`,
+micro-batch m takes rows `(m * world + r) * micro ...`. A resumed run therefore sees exactly the batches of an
+uninterrupted one.
+
+**Context parallelism.** `--context-parallel N` splits every row across N consecutive ranks (a torch `DeviceMesh`
+`("dp", "cp")`, see `parallel_layout`): rank c of a group trains columns `[c·L/N, (c+1)·L/N)` of its replica's rows
+through the model's `context_parallel` argument (`kdamoe.model.context_parallel`), whose loss is the mean over the
+group's tokens; world size / N data-parallel replicas split the rows, and DDP / FSDP2 average the gradients over
+every rank (which gives the gradient of the replicas' mean loss, as without it). `torchrun --nproc_per_node 2 -m
+kdamoe.train --context-parallel 2 ...` trains one process's batches on two.
+
+**Expert parallelism.** `--expert-parallel N` shards every MoE layer's experts across N consecutive ranks (a
+`DeviceMesh` `("ep_replicate", "ep")`, see `expert_layout` and `kdamoe.model.expert_parallel`); each rank still
+trains its own rows. DDP leaves the expert weights to `expert_gradients`; clipping counts each shard once;
+checkpoints keep each rank's shards and optimizer state (`rank{R}.pt`); `final/` holds the gathered model.
 
 **Optimizer.** AdamW; no weight decay for 1-D parameters and for names with `A_log`, `dt_bias`, a `bias`, `norm`
 or `attn_res` (see `param_groups`). Learning rate: linear warmup then cosine to `min_lr_ratio * lr`, or WSD
@@ -58,11 +71,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType, set_seed
 from tqdm.auto import tqdm
 
 from .data import (STDLIB, CorpusStream, PackedBatches, describe_corpus, load_corpus, rows_to_batch, unigram_entropy,
@@ -70,6 +84,10 @@ from .data import (STDLIB, CorpusStream, PackedBatches, describe_corpus, load_co
 from .errors import UsageError, check_safetensors, run_cli
 from .offload import HostOffload
 from .presets import PRESETS, get_preset
+
+if TYPE_CHECKING:
+    from .model.context_parallel import ContextParallel
+    from .model.expert_parallel import ExpertParallel
 
 NO_DECAY_MARKERS = ("A_log", "dt_bias", "norm", "attn_res")
 CHECKPOINT_PATTERN = re.compile(r"^step_(\d{8})$")
@@ -83,7 +101,7 @@ DEFAULTS = dict(
     min_lr_ratio=0.1, weight_decay=0.1, beta1=0.9, beta2=0.95, adam_eps=1e-8, warmup_steps=100,
     schedule="cosine", wsd_decay_fraction=0.2, max_grad_norm=1.0, save_every=0, keep_checkpoints=2,
     seed=0, val_rows=32, eval_every=0, shuffle_window_tokens=1 << 20, threads=0, mixed_precision="auto", gradient_checkpointing=False,
-    offload_activations=False,
+    offload_activations=False, context_parallel=1, expert_parallel=1,
 )
 
 
@@ -136,6 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep the activations saved for the backward in host memory (with --gradient-checkpointing: "
                         "the layers' inputs; see kdamoe.offload)")
     t.add_argument("--threads", type=int, help="CPU threads for torch (0: torch's default, one per core)")
+    t.add_argument("--context-parallel", type=int, metavar="N",
+                   help="split every row across groups of N ranks (N divides the number of processes and every "
+                        "stage's sequence length; the other factor is data parallel)")
+    t.add_argument("--expert-parallel", type=int, metavar="N",
+                   help="shard every MoE layer's experts across groups of N ranks (N divides the number of "
+                        "processes and of experts; DDP only)")
     o = p.add_argument_group("checkpoints and logging")
     o.add_argument("--save-every", type=int, help="checkpoint every N optimizer steps (0: only at the end)")
     o.add_argument("--keep-checkpoints", type=int, help="how many recent checkpoints to keep")
@@ -311,8 +335,10 @@ def check_output_dir(settings: dict) -> list[str]:
     return existing
 
 
-def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, state: dict, keep: int) -> Path:
-    """`accelerator.save_state` into `checkpoints/.tmp-step_N`, then `trainer_state.json`, then rename."""
+def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, state: dict, keep: int,
+                    rank_state: dict | None = None) -> Path:
+    """`accelerator.save_state` into `checkpoints/.tmp-step_N` (and `rank_state`, what differs between ranks, into
+    `rank{R}.pt` by every rank), then `trainer_state.json`, then rename."""
     root = output_dir / "checkpoints"
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-{final.name}"
@@ -321,6 +347,8 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, state
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
+    if rank_state is not None:
+        torch.save(rank_state, tmp / f"rank{accelerator.process_index}.pt")
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         with open(tmp / "trainer_state.json", "w") as f:
@@ -339,10 +367,94 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, state
 # --------------------------------------------------------------------------------------------- training
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where this process's share of a batch lies: the `data` data-parallel replicas take different rows (this one
+    is `data_rank`), the `context_size` ranks of a context-parallel group the columns of the same rows (this one is
+    `context_rank`; `context` is the group as the model takes it, None for whole rows)."""
+
+    data: int
+    data_rank: int
+    context: ContextParallel | None = None
+    context_size: int = 1
+    context_rank: int = 0
+
+    def columns(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's columns of every `[B, L]` tensor of `batch` (all of them without context parallelism)."""
+        if self.context is None:
+            return batch
+        part = next(iter(batch.values())).shape[1] // self.context_size
+        return {k: v[:, self.context_rank * part:(self.context_rank + 1) * part] for k, v in batch.items()}
+
+
+def parallel_layout(accelerator: Accelerator, context_parallel: int, lengths: list[int]) -> Layout:
+    """The data x context layout of the processes: with `context_parallel` > 1 a torch `DeviceMesh` `("dp", "cp")`
+    whose `cp` groups (consecutive ranks) split every row, with a process group of their own (so that their
+    collectives never interleave with data parallelism's gradient all-reduce on the default group); DDP / FSDP2 run
+    over every rank as without it. `UsageError` when N does not divide the processes or a stage's row length."""
+    world = accelerator.num_processes
+    if context_parallel < 1:
+        raise UsageError(f"--context-parallel must be >= 1, got {context_parallel}")
+    if world % context_parallel:
+        raise UsageError(f"--context-parallel {context_parallel} does not divide the number of processes ({world}); "
+                         "launch a multiple of it with torchrun or accelerate launch")
+    for length in lengths:
+        if length % context_parallel:
+            raise UsageError(f"--context-parallel {context_parallel} does not divide the sequence length {length} of "
+                             "a stage: every rank holds an equal part of each row")
+    if context_parallel == 1:
+        return Layout(world, accelerator.process_index)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .model.context_parallel import ContextParallel
+
+    mesh = init_device_mesh(accelerator.device.type, (world // context_parallel, context_parallel),
+                            mesh_dim_names=("dp", "cp"), backend_override={"cp": torch.distributed.get_backend()})
+    return Layout(world // context_parallel, mesh.get_local_rank("dp"), ContextParallel(mesh.get_group("cp")),
+                  context_parallel, mesh.get_local_rank("cp"))
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Expert parallelism of a run: `group` (an `ExpertParallel`) shards the experts, `replicas` is the process
+    group of the ranks holding the same shard (None when each shard lives on one rank)."""
+
+    group: ExpertParallel
+    replicas: object = None
+
+
+def expert_layout(accelerator: Accelerator, expert_parallel: int) -> ExpertLayout | None:
+    """`--expert-parallel N`: a torch `DeviceMesh` `("ep_replicate", "ep")` of shape `(world / N, N)`, its groups of
+    their own (beside DDP's). `UsageError` when N does not divide the processes, or under FSDP (which would shard
+    the experts' shards again)."""
+    world = accelerator.num_processes
+    if expert_parallel < 1:
+        raise UsageError(f"--expert-parallel must be >= 1, got {expert_parallel}")
+    if world % expert_parallel:
+        raise UsageError(f"--expert-parallel {expert_parallel} does not divide the number of processes ({world}); "
+                         "launch a multiple of it with torchrun or accelerate launch")
+    if expert_parallel == 1:
+        return None
+    if accelerator.distributed_type == DistributedType.FSDP:
+        raise UsageError("--expert-parallel runs under DDP (torchrun or accelerate launch without an FSDP config)")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .model.expert_parallel import ExpertParallel
+
+    backend = torch.distributed.get_backend()
+    mesh = init_device_mesh(accelerator.device.type, (world // expert_parallel, expert_parallel),
+                            mesh_dim_names=("ep_replicate", "ep"),
+                            backend_override={"ep": backend, "ep_replicate": backend})
+    replicas = mesh.get_group("ep_replicate") if world > expert_parallel else None
+    return ExpertLayout(ExpertParallel(mesh.get_group("ep")), replicas)
+
+
 @torch.no_grad()
-def evaluate(model, accelerator: Accelerator, val: dict[str, torch.Tensor], micro_batch: int) -> float:
-    """Mean next-token loss (nats) over the labelled validation tokens; rows are split across ranks."""
-    world, rank = accelerator.num_processes, accelerator.process_index
+def evaluate(model, accelerator: Accelerator, val: dict[str, torch.Tensor], micro_batch: int,
+             layout: Layout) -> float:
+    """Mean next-token loss (nats) over the labelled validation tokens; rows are split across the data-parallel
+    replicas, columns across a context-parallel group (whose ranks return their rows' loss, counted once a rank)."""
+    world, rank = layout.data, layout.data_rank
     n = val["input_ids"].shape[0] // world * world
     mine = {k: v[rank:n:world] for k, v in val.items()}
     was_training = model.training
@@ -351,7 +463,7 @@ def evaluate(model, accelerator: Accelerator, val: dict[str, torch.Tensor], micr
     for i in range(0, mine["input_ids"].shape[0], micro_batch):
         batch = {k: v[i:i + micro_batch].to(accelerator.device) for k, v in mine.items()}
         count = (batch["labels"][:, 1:] != -100).sum()
-        loss = model(**batch).loss
+        loss = model(**layout.columns(batch), context_parallel=layout.context).loss
         total += torch.stack([loss.double() * count, count.double()])
     total = accelerator.reduce(total, reduction="sum")
     model.train(was_training)
@@ -404,6 +516,8 @@ def train(argv: list[str] | None = None, return_model: bool = False):
     from transformers import GenerationConfig
 
     from .model.configuration_kdamoe import KDAMoEConfig
+    from .model.expert_parallel import (clip_grad_norm_, expert_gradients, expert_parameter_names, gather_experts,
+                                        shard_experts)
     from .model.modeling_kdamoe import KDAMoEForCausalLM
 
     settings, model_kwargs, limits = resolve_settings(argv)
@@ -431,7 +545,10 @@ def train(argv: list[str] | None = None, return_model: bool = False):
                               project_dir=str(out), kwargs_handlers=[ddp])
     world = accelerator.num_processes
     previous_run = check_output_dir(settings)
-    plans = plan_stages(stages, settings["micro_batch_size"], settings["grad_accum"], world)
+    layout = parallel_layout(accelerator, settings["context_parallel"], [length for length, _ in stages])
+    experts = expert_layout(accelerator, settings["expert_parallel"])
+    data_world = layout.data  # rows are split across the data-parallel replicas only
+    plans = plan_stages(stages, settings["micro_batch_size"], settings["grad_accum"], data_world)
     set_seed(settings["seed"])
 
     # data (read before anything is written, so that a bad corpus leaves the output folder as it was)
@@ -457,6 +574,11 @@ def train(argv: list[str] | None = None, return_model: bool = False):
                                      "eos_token_id": tokenizer.eos_token_id})
         except ValueError as error:
             raise UsageError(f"model config: {error}") from error
+        if experts is not None and ("sparse" not in config.mlp_layer_types
+                                    or config.num_experts % experts.group.size):
+            raise UsageError(f"--expert-parallel {experts.group.size} needs MoE layers whose experts it divides "
+                             f"(the model has {config.num_experts} experts, "
+                             f"{config.mlp_layer_types.count('sparse')} MoE layers)")
     except UsageError:  # a user error before training: leave no half-made run behind
         if accelerator.is_main_process:
             for path in [out] if created else new:
@@ -468,12 +590,25 @@ def train(argv: list[str] | None = None, return_model: bool = False):
     fingerprint = _fingerprint(settings, config.to_dict(), world)
     model = KDAMoEForCausalLM(config)
     model.config.fuse_linear_cross_entropy = True  # the loss without [tokens, vocab] logits; saved folders say False
+    n_params = sum(p.numel() for p in model.parameters())  # the whole model's, before any sharding
+    sharded = []
+    if experts is not None:  # every rank built the same weights (one seed); each keeps its experts
+        shard_experts(model, experts.group)
+        sharded = expert_parameter_names(model)
+        model._ddp_params_and_buffers_to_ignore = sharded  # DDP leaves them alone: expert_gradients reduces them
     if settings["gradient_checkpointing"]:  # transformers >= 5.2x names it activation_checkpointing_enable
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     optimizer = torch.optim.AdamW(param_groups(model, settings["weight_decay"]), lr=settings["lr"],
                                   betas=(settings["beta1"], settings["beta2"]), eps=settings["adam_eps"])
     model, optimizer = accelerator.prepare(model, optimizer)
     raw_model = accelerator.unwrap_model(model)
+
+    def rank_state() -> dict | None:
+        """What a checkpoint keeps per rank: its expert shards and its optimizer state (theirs included)."""
+        if experts is None:
+            return None
+        named = dict(raw_model.named_parameters())
+        return {"experts": {name: named[name].detach() for name in sharded}, "optimizer": optimizer.state_dict()}
 
     start_step = 0
     checkpoint = latest_checkpoint(out) if settings["resume"] else None
@@ -485,6 +620,14 @@ def train(argv: list[str] | None = None, return_model: bool = False):
             raise UsageError(f"checkpoint {checkpoint} comes from a different config: " + "; ".join(diffs))
         check_safetensors(checkpoint, f"delete {checkpoint} to resume from the checkpoint before it")
         accelerator.load_state(str(checkpoint))
+        if experts is not None:  # load_state gave every rank the main process's shards
+            mine = torch.load(checkpoint / f"rank{accelerator.process_index}.pt", map_location="cpu",
+                              weights_only=True)
+            named = dict(raw_model.named_parameters())
+            with torch.no_grad():
+                for name, value in mine["experts"].items():
+                    named[name].copy_(value)
+            optimizer.load_state_dict(mine["optimizer"])
         start_step = state["step"]
         accelerator.print(f"resumed from {checkpoint} at step {start_step}")
         info = out / "final" / "training_info.json"
@@ -501,8 +644,8 @@ def train(argv: list[str] | None = None, return_model: bool = False):
         for _ in range(plan.steps):
             step_plan.append(plan)
             offsets.append(consumed)
-            consumed += plan.rows(world) * plan.seq_len
-    batches = PackedBatches(corpus, [(p.seq_len, p.steps, p.rows(world)) for p in plans], settings["seed"],
+            consumed += plan.rows(data_world) * plan.seq_len
+    batches = PackedBatches(corpus, [(p.seq_len, p.steps, p.rows(data_world)) for p in plans], settings["seed"],
                             settings["shuffle_window_tokens"])
 
     metrics_path = out / "metrics.jsonl"
@@ -518,17 +661,17 @@ def train(argv: list[str] | None = None, return_model: bool = False):
     if accelerator.is_main_process and not accelerator.trackers:
         raise RuntimeError("TensorBoard logging is unavailable; install the `tensorboard` package")
 
-    n_params = sum(p.numel() for p in raw_model.parameters())
-    accelerator.print(f"model: {n_params / 1e6:.2f}M parameters; world size {world}; mixed precision {mixed}")
+    split = f" ({data_world} data parallel x {layout.context_size} context parallel)" if layout.context else ""
+    split += f"; experts sharded over {experts.group.size} ranks" if experts else ""
+    accelerator.print(f"model: {n_params / 1e6:.2f}M parameters; world size {world}{split}; mixed precision {mixed}")
     for i, plan in enumerate(plans):
-        accelerator.print(f"stage {i}: seq_len {plan.seq_len}, {plan.steps} steps, {plan.rows(world)} rows/step "
-                          f"(micro-batch {plan.micro_batch} x accum {plan.grad_accum} x {world} ranks)")
+        accelerator.print(f"stage {i}: seq_len {plan.seq_len}, {plan.steps} steps, {plan.rows(data_world)} rows/step "
+                          f"(micro-batch {plan.micro_batch} x accum {plan.grad_accum} x {data_world} ranks)")
     accelerator.print(f"validation: {val['input_ids'].shape[0]} rows x {plans[0].seq_len} tokens; "
                       f"unigram entropy baseline {baseline:.4f} nats")
-    val_before = evaluate(model, accelerator, val, plans[0].micro_batch)
+    val_before = evaluate(model, accelerator, val, plans[0].micro_batch, layout)
     accelerator.print(f"validation loss before training: {val_before:.4f} (ppl {math.exp(val_before):.1f})")
 
-    rank = accelerator.process_index
     cuda = accelerator.device.type == "cuda"
     offload = HostOffload if settings["offload_activations"] else contextlib.nullcontext
     model.train()
@@ -541,23 +684,27 @@ def train(argv: list[str] | None = None, return_model: bool = False):
             torch.cuda.reset_peak_memory_stats(accelerator.device)
         t0 = time.perf_counter()
         plan = step_plan[step]
-        rows = plan.rows(world)
+        rows = plan.rows(data_world)
         tokens, starts = batches.batch(step)
         lr = learning_rate(step, total_steps, settings)
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=accelerator.device)
         for micro in range(plan.grad_accum):
-            first = (micro * world + rank) * plan.micro_batch
-            batch = rows_to_device(tokens[first:first + plan.micro_batch], starts[first:first + plan.micro_batch],
-                                   accelerator.device)
+            first = (micro * data_world + layout.data_rank) * plan.micro_batch
+            batch = layout.columns(rows_to_device(tokens[first:first + plan.micro_batch],
+                                                  starts[first:first + plan.micro_batch], accelerator.device))
             sync = micro == plan.grad_accum - 1
             with contextlib.nullcontext() if sync else accelerator.no_sync(model):
                 with offload():
-                    loss = model(**batch).loss
+                    loss = model(**batch, context_parallel=layout.context).loss
                 accelerator.backward(loss / plan.grad_accum)
             loss_sum += loss.detach()
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), settings["max_grad_norm"])
+        if experts is not None:
+            expert_gradients(raw_model, world, experts.replicas)
+            grad_norm = clip_grad_norm_(raw_model, settings["max_grad_norm"])
+        else:
+            grad_norm = accelerator.clip_grad_norm_(model.parameters(), settings["max_grad_norm"])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         balance = raw_model.apply_load_balancing()
@@ -573,7 +720,7 @@ def train(argv: list[str] | None = None, return_model: bool = False):
         if cuda:
             record["peak_memory_gib"] = torch.cuda.max_memory_allocated(accelerator.device) / 2**30
         if settings["eval_every"] and (step + 1) % settings["eval_every"] == 0 and step + 1 < end_step:
-            record["val_loss"] = evaluate(model, accelerator, val, plans[0].micro_batch)
+            record["val_loss"] = evaluate(model, accelerator, val, plans[0].micro_batch, layout)
         if accelerator.is_main_process:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -588,14 +735,14 @@ def train(argv: list[str] | None = None, return_model: bool = False):
         bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_second']:.0f}")
         if settings["save_every"] and (step + 1) % settings["save_every"] == 0 and step + 1 < end_step:
             save_checkpoint(accelerator, out, step + 1, {"step": step + 1, "fingerprint": fingerprint},
-                            settings["keep_checkpoints"])
+                            settings["keep_checkpoints"], rank_state())
     bar.close()
     train_seconds = time.perf_counter() - started
 
     if end_step > start_step:
         save_checkpoint(accelerator, out, end_step, {"step": end_step, "fingerprint": fingerprint},
-                        settings["keep_checkpoints"])
-    val_after = evaluate(model, accelerator, val, plans[0].micro_batch)
+                        settings["keep_checkpoints"], rank_state())
+    val_after = evaluate(model, accelerator, val, plans[0].micro_batch, layout)
     accelerator.print(f"validation loss after {end_step} steps: {val_after:.4f} (ppl {math.exp(val_after):.1f}); "
                       f"before {val_before:.4f}; unigram baseline {baseline:.4f}")
     stages_run = []
@@ -608,8 +755,11 @@ def train(argv: list[str] | None = None, return_model: bool = False):
                           f"{st['loss_last']:.4f}")
     summary = {
         "preset": settings["preset"], "settings": settings, "stages": [plan.__dict__ for plan in plans],
-        "world_size": world, "mixed_precision": mixed, "parameters": n_params, "steps": end_step,
-        "tokens_trained": offsets[end_step - 1] + step_plan[end_step - 1].rows(world) * step_plan[end_step - 1].seq_len,
+        "world_size": world, "context_parallel": layout.context_size,
+        "expert_parallel": experts.group.size if experts else 1, "mixed_precision": mixed,
+        "parameters": n_params, "steps": end_step,
+        "tokens_trained": (offsets[end_step - 1]
+                           + step_plan[end_step - 1].rows(data_world) * step_plan[end_step - 1].seq_len),
         "train_seconds_this_process": train_seconds, "tokens_trained_this_process": trained_tokens,
         "stage_summary": stages_run,
         "val_loss_before": val_before, "val_loss": val_after, "unigram_entropy": baseline,
@@ -619,6 +769,8 @@ def train(argv: list[str] | None = None, return_model: bool = False):
         "versions": {"python": sys.version.split()[0], "torch": torch.__version__,
                      "transformers": __import__("transformers").__version__},
     }
+    if experts is not None:  # every rank holds every expert again, for the whole model's folder
+        gather_experts(raw_model)
     save_final(accelerator, model, tokenizer, out, summary,
                GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                 pad_token_id=tokenizer.pad_token_id, max_new_tokens=128))

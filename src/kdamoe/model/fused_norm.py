@@ -53,11 +53,11 @@ INTERPRETER_PROGRAMS = 3  # persistent grids on the CPU interpreter: few program
 
 
 def rms_norm_torch(x, weight, eps):
-    """``KDAMoERMSNorm.forward``: fp32 compute, output in x's dtype."""
-    dtype = x.dtype
-    x = x.float()
+    """``KDAMoERMSNorm.forward``: fp32 compute (fp64 for fp64 x), output in x's dtype."""
+    dtype, wide = x.dtype, torch.promote_types(x.dtype, torch.float32)
+    x = x.to(wide)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * x).to(dtype)
+    return (weight.to(wide) * x).to(dtype)
 
 
 def gated_rms_norm_torch(o, weight, gate, eps):

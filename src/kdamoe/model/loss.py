@@ -2,7 +2,7 @@
 
 `linear_cross_entropy(hidden, weight, labels)` equals `F.cross_entropy((hidden @ weight.T).float(), labels)` but
 walks the rows in chunks: each chunk's logits are computed in the weight's dtype (the autocast dtype under
-autocast), upcast to fp32 for the log-softmax, and turned at once into that chunk's share of the loss and of the
+autocast), upcast to fp32 for the log-softmax (fp64 weights stay fp64: the float64 references of the tests), and turned at once into that chunk's share of the loss and of the
 gradients w.r.t. `hidden` and `weight`. The backward only scales the stored gradients by `grad_output`. Live
 memory beyond the inputs: one chunk of logits, `grad_hidden [N, D]`, `grad_weight [V, D]` (fp32 while it
 accumulates).
@@ -38,6 +38,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, chunk_size, reduction, validate, backend):
         num_rows, vocab = hidden.shape[0], weight.shape[0]
+        wide = torch.promote_types(weight.dtype, torch.float32)  # the dtype of the log-softmax and the sums
         counted = labels != ignore_index
         in_range = (labels >= 0) & (labels < vocab)
         bad = counted & ~in_range
@@ -52,16 +53,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # Gradient of the reduced loss w.r.t. one row's loss: 1/count for the mean (1 for the sum), 0 for rows that
         # do not count; NaN everywhere when a label is out of range, so a bad batch can never pass silently.
         if reduction == "mean":
-            scale = 1.0 / counted.sum().clamp(min=1).float()
+            scale = 1.0 / counted.sum().clamp(min=1).to(wide)
         else:
-            scale = torch.ones((), device=labels.device)
+            scale = torch.ones((), dtype=wide, device=labels.device)
         scale = scale + torch.where(bad.any(), float("nan"), 0.0)
-        row_scale = counted.float() * scale
+        row_scale = counted.to(wide) * scale
 
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
-        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_weight = torch.zeros(weight.shape, dtype=wide, device=weight.device) if need_weight else None
+        loss_sum = torch.zeros((), dtype=wide, device=hidden.device)
         kernel = use_triton(backend, hidden)
         for start in range(0, num_rows, chunk_size):
             rows = slice(start, min(start + chunk_size, num_rows))
@@ -73,7 +74,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 loss_sum += torch.where(counted[rows], row_loss, 0.0).sum()
                 grad_logits = logits
             else:
-                logits = (h @ weight.T).float()  # [C, V]
+                logits = (h @ weight.T).to(wide)  # [C, V]
                 lse = torch.logsumexp(logits, dim=-1)
                 tgt = target[rows]
                 picked = logits.gather(1, tgt[:, None]).squeeze(1)
@@ -127,7 +128,7 @@ def linear_cross_entropy(
         backend: None (the Triton kernel of `loss_triton.py` for CUDA tensors when triton imports), `"torch"` or
             `"triton"` (the tests run the kernel on CPU tensors under `TRITON_INTERPRET=1`).
     Returns:
-        fp32 scalar loss.
+        scalar loss, fp32 (fp64 for fp64 weights).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(

@@ -8,6 +8,10 @@ Packed sequences follow transformers' flattening convention: `position_ids` that
 starts. KDA then runs with `cu_seqlens` (no state crosses a document), the short convolutions stop at
 document starts, and attention layers get a block-diagonal causal mask (or, for long rows, attend document by
 document). A cache filled by a packed prefill continues each row's last document.
+
+Context parallelism (`context_parallel=ContextParallel(group)`, `context_parallel.py`): each rank of the group holds
+equal consecutive columns of every row; KDA passes its state across rank boundaries, the short convolutions read the
+previous rank's last inputs, attention layers gather the keys and values, the loss is the group's mean.
 """
 
 import contextlib
@@ -30,12 +34,14 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from .attnres import DepthAttention, ResidualState
 from .caches import CACHE_FIELD, KDAMoECache, KDAMoEStaticCache
 from .configuration_kdamoe import KDAMoEConfig
+from .context_parallel import ContextParallel, RowShard
 from .decode_graphs import graphed_decode_step
 from .fused_norm import gated_rms_norm, l2norm, rms_norm
 from .kda import chunk_kda, recurrent_kda
 from .kda_decode import kda_decode_step
 from .loss import linear_cross_entropy
 from .model_inputs import (
+    DENSE_MASK_ELEMENTS,
     PackedDocuments,
     TokenIdCheck,
     build_attention_mask,
@@ -107,7 +113,7 @@ def eager_attention_forward(
         t, tk = query.shape[2], key.shape[2]
         attention_mask = torch.ones(t, tk, dtype=torch.bool, device=query.device).tril(tk - t)
     scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
-    probs = scores.float().softmax(-1).to(query.dtype)
+    probs = scores.to(torch.promote_types(scores.dtype, torch.float32)).softmax(-1).to(query.dtype)
     probs = F.dropout(probs, p=dropout, training=module.training)
     return (probs @ value).transpose(1, 2).contiguous(), probs
 
@@ -154,7 +160,9 @@ class KDAMoEKimiDeltaAttention(nn.Module):
         cache: Cache | None = None,
         packed: PackedDocuments | None = None,
         token_mask: torch.Tensor | None = None,
+        shard: RowShard | None = None,
     ) -> torch.Tensor:
+        """`shard`: this rank's part of context-parallel rows (`packed` then describes its own tokens)."""
         batch, seq_len, _ = hidden_states.shape
         h, k = self.num_heads, self.head_dim
         if token_mask is not None:  # padded tokens leave the state untouched: zero input gives k = v = 0
@@ -169,11 +177,15 @@ class KDAMoEKimiDeltaAttention(nn.Module):
             (self.out_gate_down_proj,))
         context = layer_cache.conv_states[0][..., 1:].transpose(1, 2) if decoding else None
         cu_seqlens = packed.cu_seqlens_device if packed is not None else None
-        mixed = short_conv_silu(qkv, self.conv_weight, cu_seqlens=cu_seqlens, context=context)
+        if shard is not None:  # the previous rank's last inputs lead each row
+            mixed = short_conv_silu(shard.conv_input(qkv), self.conv_weight, cu_seqlens=shard.conv_cu_seqlens)
+            mixed = mixed[:, self.conv_size - 1:]
+        else:
+            mixed = short_conv_silu(qkv, self.conv_weight, cu_seqlens=cu_seqlens, context=context)
         q, key, v = (t.view(batch, seq_len, h, k) for t in mixed.split(h * k, dim=-1))
         # q, k L2-normalised per head; v copied out, so that what the op keeps holds no view of the whole conv output
         q, key, v = l2norm(q), l2norm(key), v.contiguous()
-        beta = beta.float().sigmoid()  # [B, T, H]
+        beta = beta.to(torch.promote_types(beta.dtype, torch.float32)).sigmoid()  # [B, T, H], fp32 or fp64
         g_raw = self.decay_up_proj(decay).view(batch, seq_len, h, k)
 
         kda_kwargs = dict(
@@ -190,9 +202,12 @@ class KDAMoEKimiDeltaAttention(nn.Module):
             o, state = kda(q, key, v, g_raw, beta, initial_state=initial_state, **kda_kwargs)
         elif packed is not None:  # documents of all rows run as one flattened varlen sequence
             flat = (t.reshape(1, batch * seq_len, *t.shape[2:]) for t in (q, key, v, g_raw, beta))
-            o, state = chunk_kda(*flat, cu_seqlens=packed.cu_seqlens, **kda_kwargs)
+            kda = shard.kda if shard is not None else chunk_kda
+            o, state = kda(*flat, cu_seqlens=packed.cu_seqlens, **kda_kwargs)
             o = o.view(batch, seq_len, h, k)
             state = state[packed.last_doc_of_row] if state is not None else None
+        elif shard is not None:
+            o, state = shard.kda(q, key, v, g_raw, beta, **kda_kwargs)
         else:
             o, state = chunk_kda(q, key, v, g_raw, beta, **kda_kwargs)
 
@@ -259,16 +274,21 @@ class KDAMoEAttention(nn.Module):
         cache: Cache | None = None,
         packed: PackedDocuments | None = None,
         positions: torch.Tensor | None = None,
+        shard: RowShard | None = None,
     ) -> torch.Tensor:
         """`packed` without an `attention_mask`: packed rows too long for a block-diagonal mask
         (`build_attention_mask`), attended one document at a time. `positions [T]`: where the new keys go in a
-        static cache (`KDAMoEStaticCache.advance`)."""
+        static cache (`KDAMoEStaticCache.advance`). `shard`: this rank's part of context-parallel rows, whose
+        queries attend to the keys and values of every rank up to its own (`attention_mask` from
+        `RowShard.attention_mask`)."""
         batch, seq_len, _ = hidden_states.shape
         shape = (batch, seq_len, -1, self.head_dim)
         q = self.q_norm(self.q_proj(hidden_states).view(shape))  # [B, T, Hq, Dh]
         k = self.k_norm(self.k_proj(hidden_states).view(shape))  # [B, T, Hkv, Dh]
         v = self.v_proj(hidden_states).view(shape)
         per_document = packed is not None and attention_mask is None
+        if shard is not None:  # [B, offset + T, Hkv, Dh] each, from one gather
+            k, v = shard.keys(torch.cat([k, v], dim=-1)).split(self.head_dim, dim=-1)
         keys, values = k.transpose(1, 2), v.transpose(1, 2)
         if positions is not None:
             keys, values = cache.update(keys, values, self.layer_idx, positions)
@@ -342,18 +362,21 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
         packed: PackedDocuments | None = None,
         token_mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        shard: RowShard | None = None,
     ):
         """`partial: [B, T, D] | None` and the `completed` sources, each `[B, T, D]` (see `ResidualState`; passed as
         positional tensors so that gradient checkpointing sees them); `positions`: the new tokens' places in a static
-        cache. Returns the new partial sum, the mixer input `[B, T, D]` (this layer's hidden state), the router logits
-        `[B*T, E]` and the auxiliary loss (MoE layers; None otherwise), then the new completed sources."""
+        cache; `shard`: this rank's part of context-parallel rows. Returns the new partial sum, the mixer input
+        `[B, T, D]` (this layer's hidden state), the router logits `[B*T, E]` and the auxiliary loss (MoE layers; None
+        otherwise), then the new completed sources."""
         state = ResidualState(completed, partial)
         mixer_input = state.read(self.mixer_attn_res)
         x = self.mixer_norm(mixer_input)
         if self.layer_type == "linear_attention":
-            x = self.mixer(x, cache=cache, packed=packed, token_mask=token_mask)
+            x = self.mixer(x, cache=cache, packed=packed, token_mask=token_mask, shard=shard)
         else:
-            x = self.mixer(x, attention_mask=attention_mask, cache=cache, packed=packed, positions=positions)
+            x = self.mixer(x, attention_mask=attention_mask, cache=cache, packed=packed, positions=positions,
+                           shard=shard)
         state = state.add(x, close_block=self.close_block_after_mixer)
 
         x = self.ffn_norm(state.read(self.ffn_attn_res))
@@ -402,6 +425,14 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ValueError(f"The checkpoint is incomplete: {len(missing)} weights are missing ({shown}).")
         return (model, info) if output_loading_info else model
+
+    def save_pretrained(self, *args, **kwargs):
+        """`PreTrainedModel.save_pretrained`; a ValueError for a model whose experts are sharded across ranks (each
+        rank holds only its own: `expert_parallel.py`)."""
+        if any(getattr(m, "expert_parallel", None) is not None for m in self.modules()):
+            raise ValueError("this model's experts are sharded across ranks (expert parallelism): each rank holds "
+                             "only its own, so there is no whole model to save here")
+        return super().save_pretrained(*args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -460,10 +491,20 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         output_router_logits: bool | None = None,
         return_dict: bool | None = None,
         past_key_values: Cache | None = None,
+        context_parallel: ContextParallel | None = None,
         **kwargs,
     ):
+        """transformers' base-model forward; `context_parallel`: the inputs are this rank's columns of rows split
+        across its group (`context_parallel.py`; no cache)."""
         cache = cache if cache is not None else past_key_values
         use_cache = use_cache if use_cache is not None else self.config.use_cache
+        if context_parallel is not None:
+            if cache is not None:
+                raise ValueError("context parallelism runs without a cache (training and scoring, not generation)")
+            if self.training and self.config.router_balancing == "aux_loss":
+                raise ValueError('router_balancing="aux_loss" is not supported under context parallelism (its '
+                                 'loss would be each rank\'s): use "quantile" or "loss_free"')
+            use_cache = False
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         )
@@ -509,7 +550,13 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         packed = None
         if position_ids is not None and past_len == 0:
             packed = PackedDocuments.from_position_ids(position_ids, inputs_embeds.device, token_mask)
-        if past_len is None:  # a static cache's later forwards attend to everything it holds
+        shard = None
+        if context_parallel is not None:
+            shard = RowShard.build(context_parallel, batch, seq_len, inputs_embeds.device, self.config.kda_conv_size,
+                                   position_ids, attention_mask, packed.cu_seqlens if packed is not None else None)
+            attends = "full_attention" in self.config.layer_types
+            mask = shard.attention_mask(DENSE_MASK_ELEMENTS) if attends else None
+        elif past_len is None:  # a static cache's later forwards attend to everything it holds
             mask = cache.attention_mask(positions) if positions is not None else None
         else:
             attended = padding_mask
@@ -532,7 +579,7 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         for layer in self.layers:
             partial, layer_input, router_logits, aux_loss, *completed = layer(
                 partial, *completed, attention_mask=mask, cache=cache, packed=packed, token_mask=token_mask,
-                positions=positions,
+                positions=positions, shard=shard,
             )
             if output_hidden_states:
                 all_hidden_states.append(layer_input)
@@ -663,10 +710,15 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         past_key_values: Cache | None = None,
+        context_parallel: ContextParallel | None = None,
         **kwargs,
     ):
         """`labels: [B, T]` are shifted inside (position t predicts token t+1); -100 is ignored. With
-        `router_balancing="aux_loss"` in training, the auxiliary loss is added to `loss` and returned as `aux_loss`."""
+        `router_balancing="aux_loss"` in training, the auxiliary loss is added to `loss` and returned as `aux_loss`.
+        `context_parallel`: the inputs and labels are this rank's columns of rows split across its group
+        (`context_parallel.py`); the logits are this rank's, the loss the mean over every rank's labelled tokens (the
+        same on every rank; its backward gives each rank its share of the gradients, which average over the group
+        to the single process's)."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         outputs = self.model(
             input_ids=input_ids,
@@ -678,10 +730,15 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
             output_hidden_states=output_hidden_states,
             output_router_logits=output_router_logits,
             return_dict=True,
+            context_parallel=context_parallel,
         )
         hidden_states = outputs.last_hidden_state
         if labels is not None and labels.shape != hidden_states.shape[:2]:
             raise ValueError(f"`labels` has shape {tuple(labels.shape)}, expected {tuple(hidden_states.shape[:2])}")
+        if labels is not None and context_parallel is not None:  # this rank's summed loss first
+            if kwargs.get("shift_labels") is None:
+                kwargs["shift_labels"] = context_parallel.shift_labels(labels)
+            num_items, kwargs["num_items_in_batch"] = kwargs.get("num_items_in_batch"), 1
         loss = logits = None
         if labels is not None and self.training and self.config.fuse_linear_cross_entropy:
             loss = self._fused_loss(hidden_states, labels, kwargs.get("shift_labels"), kwargs.get("num_items_in_batch"))
@@ -690,6 +747,8 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
             logits = self.lm_head(hidden_states[:, keep, :])
             if labels is not None:
                 loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+        if loss is not None and context_parallel is not None:
+            loss = context_parallel.mean(loss, kwargs["shift_labels"], num_items)
         if loss is not None and outputs.aux_loss is not None:
             loss = loss + outputs.aux_loss.to(loss.device)
 

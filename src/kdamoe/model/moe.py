@@ -19,6 +19,8 @@ try:
 except ImportError:
     situ_glu_fwd_triton = situ_glu_bwd_triton = gather_sum_triton = combine_bwd_triton = gather_rows_triton = None
 
+from .expert_parallel import dispatch
+
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
@@ -262,7 +264,9 @@ class KDAMoEExperts(nn.Module):
     sorted by expert and run through grouped GEMMs with the group offsets on the device (`forward_grouped`, no host
     synchronisation: also the decode path); elsewhere a loop over the experts that received tokens (`forward_loop`),
     or under torch.compile or a CUDA graph's recording every expert on every token (`forward_dense`: the loop's
-    shapes depend on the routing). All compute the same function.
+    shapes depend on the routing). All compute the same function. With `expert_parallel` set
+    (`expert_parallel.shard_experts`) the weights hold this rank's experts only and tokens travel to theirs
+    (`expert_parallel.dispatch`).
     """
 
     def __init__(self, config):
@@ -273,19 +277,39 @@ class KDAMoEExperts(nn.Module):
         self.activation = config.expert_activation
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * self.intermediate_size, self.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, self.hidden_size, self.intermediate_size))
+        self.expert_parallel = None  # ExpertParallel when the experts are sharded across ranks
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        dtype = hidden.dtype
-        if hidden.is_cuda and torch.is_autocast_enabled("cuda"):
-            dtype = torch.get_autocast_dtype("cuda")
-        if (
-            hidden.is_cuda and dtype == torch.bfloat16 and _GROUPED_MM is not None
-            and self.hidden_size % 8 == 0 and self.intermediate_size % 8 == 0
-        ):
+        if self.expert_parallel is not None:
+            self._check(hidden, top_k_index, top_k_weights)
+            return dispatch(self, hidden, top_k_index, top_k_weights)
+        if (dtype := self.grouped_dtype(hidden)) is not None:
             return self.forward_grouped(hidden.to(dtype), top_k_index, top_k_weights)
         if torch.compiler.is_compiling() or (hidden.is_cuda and torch.cuda.is_current_stream_capturing()):
             return self.forward_dense(hidden, top_k_index, top_k_weights)
         return self.forward_loop(hidden, top_k_index, top_k_weights)
+
+    def grouped_dtype(self, hidden: torch.Tensor) -> torch.dtype | None:
+        """The dtype the grouped GEMMs run `hidden` in (bf16 on CUDA, autocast's dtype under autocast), or None
+        where they do not run."""
+        dtype = hidden.dtype
+        if hidden.is_cuda and torch.is_autocast_enabled("cuda"):
+            dtype = torch.get_autocast_dtype("cuda")
+        if (hidden.is_cuda and dtype == torch.bfloat16 and _GROUPED_MM is not None
+                and self.hidden_size % 8 == 0 and self.intermediate_size % 8 == 0):
+            return dtype
+        return None
+
+    def forward_sorted(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows `x [M, D]` sorted by expert, `counts [E]` rows for each of this module's experts -> the experts'
+        unweighted outputs `[M, D]`: two grouped GEMMs where `grouped_dtype` says so, else a loop over the experts
+        (reads `counts` on the host)."""
+        if (dtype := self.grouped_dtype(x)) is not None:
+            offs = counts.cumsum(0).to(torch.int32)
+            h = _packed_activation(self.activation, _grouped_linear(x.to(dtype), self.gate_up_proj, offs))
+            return _grouped_linear(h, self.down_proj, offs)
+        parts = x.split(counts.tolist())
+        return torch.cat([self.expert_mlp(part, e) if len(part) else part for e, part in enumerate(parts)])
 
     def _check(self, hidden, top_k_index, top_k_weights) -> None:
         if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
@@ -296,14 +320,17 @@ class KDAMoEExperts(nn.Module):
                 f"be [N={hidden.shape[0]}, k]"
             )
 
+    def expert_mlp(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """Expert `expert` of this module's weights on rows `x [M, D]` -> `[M, D]` (unweighted)."""
+        return _packed_activation(self.activation, x @ self.gate_up_proj[expert].T) @ self.down_proj[expert].T
+
     def forward_loop(self, hidden, top_k_index, top_k_weights) -> torch.Tensor:
         """Plain loop over the experts that received tokens."""
         self._check(hidden, top_k_index, top_k_weights)
         out = torch.zeros_like(hidden)
         for expert in torch.unique(top_k_index).tolist():
             token, slot = torch.nonzero(top_k_index == expert, as_tuple=True)
-            h = _packed_activation(self.activation, hidden[token] @ self.gate_up_proj[expert].T)
-            y = (h @ self.down_proj[expert].T) * top_k_weights[token, slot, None].to(hidden.dtype)
+            y = self.expert_mlp(hidden[token], expert) * top_k_weights[token, slot, None].to(hidden.dtype)
             out = out.index_add(0, token, y)
         return out
 
@@ -340,7 +367,8 @@ class _RouterLogits(torch.autograd.Function):
     """`x [N, D] @ weight [E, D]ᵀ -> logits [N, E]` in fp32 whatever autocast says: expert selection and
     the balancing statistics come from these. 16-bit CUDA operands of one dtype take a 16-bit GEMM with fp32 output
     (exact products, fp32 sums: the same logits as widening first, at tensor-core speed); the backward rounds the
-    logits' gradient to that dtype, as any 16-bit linear layer does. Anything else is computed in fp32."""
+    logits' gradient to that dtype, as any 16-bit linear layer does. Anything else is computed in fp32, or in fp64
+    when an operand is fp64 (a float64 model routes in float64: the tests' references)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -349,7 +377,8 @@ class _RouterLogits(torch.autograd.Function):
             if _fp32_output_gemm(x, weight):
                 return torch.mm(x.reshape(-1, x.shape[-1]), weight.t(), out_dtype=torch.float32).view(
                     *x.shape[:-1], -1)
-            return x.float() @ weight.float().t()
+            wide = _router_dtype(x, weight)
+            return x.to(wide) @ weight.to(wide).t()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -363,12 +392,17 @@ class _RouterLogits(torch.autograd.Function):
                 if ctx.needs_input_grad[1]:
                     grad_w = torch.mm(g.t(), x.reshape(-1, x.shape[-1]), out_dtype=torch.float32).to(weight.dtype)
             else:
+                wide = _router_dtype(x, weight)
                 if ctx.needs_input_grad[0]:
-                    grad_x = (grad @ weight.float()).to(x.dtype)
+                    grad_x = (grad.to(wide) @ weight.to(wide)).to(x.dtype)
                 if ctx.needs_input_grad[1]:
                     g, xs = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-                    grad_w = (g.t() @ xs.float()).to(weight.dtype)
+                    grad_w = (g.to(wide).t() @ xs.to(wide)).to(weight.dtype)
         return grad_x, grad_w
+
+
+def _router_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
 
 
 def _fp32_output_gemm(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -379,9 +413,9 @@ class KDAMoERouter(nn.Module):
     """Sigmoid router. `weight [E, D]`; persistent fp32 buffer `bias [E]` used for expert selection only.
 
     `forward(x [N, D]) -> (logits [N, E], scores [N, E], top_k_index [N, k], top_k_weights [N, k], cutoff [N])`,
-    all fp32: `scores = sigmoid(logits)`, experts = top-k of `scores + bias`, weights = the unbiased scores there,
-    normalised to sum 1 and times `routed_scaling_factor`; `cutoff` = the (k+1)-th largest biased score (`None`
-    when k equals the number of experts).
+    all fp32 (fp64 in a float64 model): `scores = sigmoid(logits)`, experts = top-k of `scores + bias`, weights =
+    the unbiased scores there, normalised to sum 1 and times `routed_scaling_factor`; `cutoff` = the (k+1)-th
+    largest biased score (`None` when k equals the number of experts).
     """
 
     def __init__(self, config):

@@ -6,7 +6,7 @@ reach before the start of t's document are dropped (packed documents, ``cu_seqle
 offsets of the documents in the flattened ``B·T`` tokens, every row starting one, as ``PackedDocuments`` builds them)
 or, for plain batches, read from ``context: [B, W-1, C]`` (the inputs before x when decoding; zeros without it).
 The KDA layer runs it on its q, k, v projections. The output dtype is ``promote_types(x.dtype, weight.dtype)`` (fp32
-for bf16 activations and an fp32 weight under autocast); the sum is fp32.
+for bf16 activations and an fp32 weight under autocast); the sum is fp32 (fp64 for fp64 inputs on the torch path).
 
 Kernels (the flattened ``[B·T, C]`` input, whose rows may lie further apart than C, as in a column slice of a
 wider projection; grid axis 0 walks token blocks, as CUDA allows 2^31 − 1 programs there
@@ -58,13 +58,14 @@ def _doc_starts(cu_seqlens, n_tokens):
 
 
 def short_conv_silu_torch(x, weight, cu_seqlens=None, context=None):
-    """Reference: the taps one by one in fp32, as modeling_kdamoe's ``short_conv`` (same order of the sum), SiLU."""
+    """Reference: the taps one by one in fp32 (fp64 for fp64 inputs), as the kernels sum them, SiLU."""
     batch, seq_len, channels = x.shape
     width = weight.shape[1]
-    xf, wf = x.float(), weight.float()
+    wide = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
+    xf, wf = x.to(wide), weight.to(wide)
     if context is None:
         context = xf.new_zeros(batch, width - 1, channels)
-    padded = torch.cat([context.float(), xf], dim=1)  # [B, T + W - 1, C]
+    padded = torch.cat([context.to(wide), xf], dim=1)  # [B, T + W - 1, C]
     if cu_seqlens is not None:
         starts = _doc_starts(cu_seqlens, batch * seq_len).view(batch, seq_len)
         positions = torch.arange(batch * seq_len, device=x.device).view(batch, seq_len)
