@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_model import Row, count_syncs, environment, fla_config, ours_config, sizes
+from bench_model import Row, count_syncs, environment, fla_config, import_fla, ours_config, sizes
 
 import kdamoe
 from kdamoe.model.caches import CACHE_FIELD
@@ -301,16 +301,7 @@ def main() -> None:
     args = parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    fla_models, fla_note = None, "not requested"
-    if "fla" in args.libs:
-        try:
-            import fla.models as fla_models
-
-            fla_note = "available"
-        except Exception as e:  # noqa: BLE001 - any import failure means: run ours only
-            args.libs = [lib for lib in args.libs if lib != "fla"]
-            fla_note = f"not importable ({type(e).__name__}: {e}); ran ours only"
-            print(f"fla is {fla_note}")
+    fla_models, fla_note = import_fla(args.libs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     s = sizes(args.tiny)
     report = {"environment": environment(device, fla_note), "dtype": str(dtype).removeprefix("torch."),

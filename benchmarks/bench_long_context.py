@@ -284,14 +284,8 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     s = bench_model.sizes(args.tiny)
     fla_models, fla_note = None, "not requested"
-    if "train" in args.parts and "fla" in args.train_libs:
-        try:
-            import fla.models as fla_models
-
-            fla_note = "available"
-        except Exception as e:  # noqa: BLE001 - any import failure means: no fla row
-            args.train_libs.remove("fla")
-            fla_note = f"not importable ({type(e).__name__}: {e})"
+    if "train" in args.parts:
+        fla_models, fla_note = bench_model.import_fla(args.train_libs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"environment": bench_model.environment(device, fla_note), "dtype": str(dtype).removeprefix("torch."),
               "tiny": args.tiny, "length": args.length, "short_length": args.short_length,

@@ -394,6 +394,21 @@ def markdown(records: list[dict], libs: list[str]) -> str:
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
+def import_fla(libs: list[str]):
+    """`(fla.models, note)` when "fla" is in `libs`; when fla cannot be imported, "fla" is removed from `libs` (the
+    run goes on with ours only) and the note says why."""
+    if "fla" not in libs:
+        return None, "not requested"
+    try:
+        import fla.models as fla_models
+    except Exception as e:  # noqa: BLE001 - any import failure means: run ours only
+        libs.remove("fla")
+        note = f"not importable ({type(e).__name__}: {e}); ran ours only"
+        print(f"fla is {note}")
+        return None, note
+    return fla_models, "available"
+
+
 def environment(device: torch.device, fla_note: str) -> dict:
     def version(name):
         try:
@@ -465,16 +480,7 @@ def main() -> None:
         kda_chunk_fwd.STATES_LIMIT_BYTES = int(args.kda_states_limit_gib * GIB)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    fla_models, fla_note = None, "not requested"
-    if "fla" in args.libs:
-        try:
-            import fla.models as fla_models
-
-            fla_note = "available"
-        except Exception as e:  # noqa: BLE001 - any import failure means: run ours only
-            args.libs = [lib for lib in args.libs if lib != "fla"]
-            fla_note = f"not importable ({type(e).__name__}: {e}); ran ours only"
-            print(f"fla is {fla_note}")
+    fla_models, fla_note = import_fla(args.libs)
     if not args.libs:
         raise SystemExit("no library left to run")
     args.out.parent.mkdir(parents=True, exist_ok=True)

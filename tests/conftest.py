@@ -8,6 +8,7 @@ if not torch.cuda.is_available():  # the Triton kernels run in Triton's CPU inte
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import kdamoe  # noqa: E402
+from kdamoe.model.caches import CACHE_FIELD  # noqa: E402
 
 
 def tiny_config(**overrides) -> "kdamoe.KDAMoEConfig":
@@ -35,6 +36,25 @@ def tiny_config(**overrides) -> "kdamoe.KDAMoEConfig":
     )
     kwargs.update(overrides)
     return kdamoe.KDAMoEConfig(**kwargs)
+
+
+def cache_of(out):
+    """The cache a model output carries (transformers renamed the field from `past_key_values` to `cache`)."""
+    return getattr(out, CACHE_FIELD)
+
+
+def tiny_model(**overrides) -> "kdamoe.KDAMoEForCausalLM":
+    """`tiny_config`'s model with non-zero pseudo-queries and router biases, so that nothing passes by accident of
+    initialisation (zero pseudo-queries make depth attention a plain average, zero biases leave routing unbalanced)."""
+    model = kdamoe.KDAMoEForCausalLM(tiny_config(**overrides))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("attn_res.query"):
+                p.normal_(0, 0.5)
+        for layer in model.model.layers:
+            if layer.is_moe:
+                layer.ffn.router.bias.normal_(0, 0.05)
+    return model
 
 
 @pytest.fixture

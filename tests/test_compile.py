@@ -24,7 +24,7 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import cache_of, tiny_model
 from triton_interpreter import gpu_only
 
 import kdamoe
@@ -43,19 +43,7 @@ def _fresh_dynamo():
 def make_model(**overrides):
     """The tiny hybrid model (KDA + attention, dense + MoE, Block AttnRes) with non-zero pseudo-queries and router
     biases, so that nothing matches by accident of initialisation."""
-    model = kdamoe.KDAMoEForCausalLM(tiny_config(**overrides))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("attn_res.query"):
-                p.normal_(0, 0.5)
-        for layer in model.model.layers:
-            if layer.is_moe:
-                layer.ffn.router.bias.normal_(0, 0.05)
-    return model
-
-
-def cache_of(out):
-    return out.cache if hasattr(out, "cache") else out.past_key_values
+    return tiny_model(**overrides)
 
 
 def grads(model):

@@ -4,22 +4,13 @@ import pytest
 import torch
 
 import kdamoe
-from conftest import tiny_config
+from conftest import tiny_config, tiny_model
 
 KDA_ONLY = ["linear_attention"] * 4
 
 
 def make_model(**overrides):
-    model = kdamoe.KDAMoEForCausalLM(tiny_config(**overrides)).eval()
-    # Non-zero pseudo-queries and router biases, so that nothing passes by accident of initialisation.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("attn_res.query"):
-                p.normal_(0, 0.5)
-        for layer in model.model.layers:
-            if layer.is_moe:
-                layer.ffn.router.bias.normal_(0, 0.05)
-    return model
+    return tiny_model(**overrides).eval()
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ the errors; on a GPU, the decode steps replayed as CUDA graphs (tokens, no host 
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import cache_of, tiny_model
 from triton_interpreter import gpu_only
 
 import kdamoe
@@ -21,19 +21,7 @@ def make_model(layer_types=None, **overrides):
     """The tiny model (hybrid by default) with non-zero pseudo-queries and router biases."""
     if layer_types is not None:
         overrides["layer_types"] = layer_types
-    model = kdamoe.KDAMoEForCausalLM(tiny_config(**overrides)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("attn_res.query"):
-                p.normal_(0, 0.5)
-        for layer in model.model.layers:
-            if layer.is_moe:
-                layer.ffn.router.bias.normal_(0, 0.05)
-    return model
-
-
-def cache_of(out):
-    return getattr(out, CACHE_FIELD)
+    return tiny_model(**overrides).eval()
 
 
 def prefill(model, ids, cache, **kwargs):

@@ -387,17 +387,22 @@ class Layout:
         return {k: v[:, self.context_rank * part:(self.context_rank + 1) * part] for k, v in batch.items()}
 
 
+def _check_degree(flag: str, degree: int, world: int) -> int:
+    """`world` once the parallel degree given by `flag` is >= 1 and divides it; a `UsageError` otherwise."""
+    if degree < 1:
+        raise UsageError(f"{flag} must be >= 1, got {degree}")
+    if world % degree:
+        raise UsageError(f"{flag} {degree} does not divide the number of processes ({world}); launch a multiple of "
+                         "it with torchrun or accelerate launch")
+    return world
+
+
 def parallel_layout(accelerator: Accelerator, context_parallel: int, lengths: list[int]) -> Layout:
     """The data x context layout of the processes: with `context_parallel` > 1 a torch `DeviceMesh` `("dp", "cp")`
     whose `cp` groups (consecutive ranks) split every row, with a process group of their own (so that their
     collectives never interleave with data parallelism's gradient all-reduce on the default group); DDP / FSDP2 run
     over every rank as without it. `UsageError` when N does not divide the processes or a stage's row length."""
-    world = accelerator.num_processes
-    if context_parallel < 1:
-        raise UsageError(f"--context-parallel must be >= 1, got {context_parallel}")
-    if world % context_parallel:
-        raise UsageError(f"--context-parallel {context_parallel} does not divide the number of processes ({world}); "
-                         "launch a multiple of it with torchrun or accelerate launch")
+    world = _check_degree("--context-parallel", context_parallel, accelerator.num_processes)
     for length in lengths:
         if length % context_parallel:
             raise UsageError(f"--context-parallel {context_parallel} does not divide the sequence length {length} of "
@@ -427,12 +432,7 @@ def expert_layout(accelerator: Accelerator, expert_parallel: int) -> ExpertLayou
     """`--expert-parallel N`: a torch `DeviceMesh` `("ep_replicate", "ep")` of shape `(world / N, N)`, its groups of
     their own (beside DDP's). `UsageError` when N does not divide the processes, or under FSDP (which would shard
     the experts' shards again)."""
-    world = accelerator.num_processes
-    if expert_parallel < 1:
-        raise UsageError(f"--expert-parallel must be >= 1, got {expert_parallel}")
-    if world % expert_parallel:
-        raise UsageError(f"--expert-parallel {expert_parallel} does not divide the number of processes ({world}); "
-                         "launch a multiple of it with torchrun or accelerate launch")
+    world = _check_degree("--expert-parallel", expert_parallel, accelerator.num_processes)
     if expert_parallel == 1:
         return None
     if accelerator.distributed_type == DistributedType.FSDP:

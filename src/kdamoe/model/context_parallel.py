@@ -197,10 +197,8 @@ def context_parallel_kda(op, q, k, v, g, beta, group=None, *, scale=None, initia
 
 
 @dataclasses.dataclass(frozen=True)
-class ContextParallel:
-    """The process group whose ranks hold consecutive equal parts of every row, in rank order (None: the default
-    group). Passed to the model's forward as ``context_parallel``; the inputs, ``position_ids`` (restarting at 0 at
-    document starts, as for packed rows), ``attention_mask`` and ``labels`` are then this rank's columns."""
+class RankGroup:
+    """A process group (None: the default group) with this process's rank in it and its size."""
 
     group: "dist.ProcessGroup | None" = None
 
@@ -211,6 +209,13 @@ class ContextParallel:
     @property
     def size(self) -> int:
         return dist.get_world_size(self.group)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallel(RankGroup):
+    """The process group whose ranks hold consecutive equal parts of every row, in rank order (None: the default
+    group). Passed to the model's forward as ``context_parallel``; the inputs, ``position_ids`` (restarting at 0 at
+    document starts, as for packed rows), ``attention_mask`` and ``labels`` are then this rank's columns."""
 
     def shift_labels(self, labels: torch.Tensor) -> torch.Tensor:
         """``[B, T]`` -> ``[B, T]``: the target of each position, the next column's label (the next rank's first

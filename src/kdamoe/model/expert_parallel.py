@@ -23,20 +23,12 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from .context_parallel import RankGroup
+
 
 @dataclasses.dataclass(frozen=True)
-class ExpertParallel:
+class ExpertParallel(RankGroup):
     """The process group whose ranks share the routed experts (None: the default group), expert shard = rank."""
-
-    group: "dist.ProcessGroup | None" = None
-
-    @property
-    def rank(self) -> int:
-        return dist.get_rank(self.group)
-
-    @property
-    def size(self) -> int:
-        return dist.get_world_size(self.group)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -2,8 +2,6 @@
 SiTU-GLU / SwiGLU experts with a CPU loop path and a grouped-GEMM GPU path (docs/design.md §3).
 """
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -449,6 +447,17 @@ def _centre(bias: torch.Tensor) -> torch.Tensor:
     return bias - bias.mean(-1, keepdim=True)
 
 
+def _check_batch(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> int:
+    """The number of experts E of one batch's `scores [N, E]` and `bias [E]`; ValueError for other shapes or a top-k
+    outside [1, E - 1]."""
+    if scores.dim() != 2 or bias.shape != (scores.shape[1],):
+        raise ValueError(f"scores must be [N, E] and bias [E], got {tuple(scores.shape)} and {tuple(bias.shape)}")
+    num_experts = scores.shape[1]
+    if not 0 < top_k < num_experts:
+        raise ValueError(f"top_k must lie in [1, {num_experts - 1}], got {top_k}")
+    return num_experts
+
+
 def quantile_balance(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> torch.Tensor:
     """Exact Quantile Balancing update for one batch of router scores.
 
@@ -456,11 +465,7 @@ def quantile_balance(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> to
     (k+1)-th largest `scores_i + bias`, the new bias of expert j is the k/E quantile (linear interpolation) of
     `r_ij = c_i - scores_ij` over the tokens, mean-centred. Returns `[E]` in `bias.dtype`.
     """
-    if scores.dim() != 2 or bias.shape != (scores.shape[1],):
-        raise ValueError(f"scores must be [N, E] and bias [E], got {tuple(scores.shape)} and {tuple(bias.shape)}")
-    num_experts = scores.shape[1]
-    if not 0 < top_k < num_experts:
-        raise ValueError(f"top_k must lie in [1, {num_experts - 1}], got {top_k}")
+    num_experts = _check_batch(scores, bias, top_k)
     s = scores.double()
     cutoff = torch.topk(s + bias.double(), top_k + 1, dim=-1).values[:, top_k]
     new = torch.quantile(cutoff[:, None] - s, top_k / num_experts, dim=0)
@@ -487,11 +492,7 @@ def quantile_fixed_point(scores: torch.Tensor, bias: torch.Tensor, top_k: int, i
     each expert given the others; repeating settles how the cutoffs move with the bias (three steps take a batch
     routed onto a few experts to MaxVio of a few hundredths). `scores [N, E]`, `bias [E]`; returns `[E]` in
     `bias.dtype`."""
-    if scores.dim() != 2 or bias.shape != (scores.shape[1],):
-        raise ValueError(f"scores must be [N, E] and bias [E], got {tuple(scores.shape)} and {tuple(bias.shape)}")
-    num_experts = scores.shape[1]
-    if not 0 < top_k < num_experts:
-        raise ValueError(f"top_k must lie in [1, {num_experts - 1}], got {top_k}")
+    num_experts = _check_batch(scores, bias, top_k)
     new = bias.double()
     for _ in range(iterations):
         new = _centre(torch.quantile(selection_thresholds(scores, new, top_k), top_k / num_experts, dim=0))
