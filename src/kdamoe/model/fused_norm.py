@@ -247,39 +247,51 @@ class _RMSNormFn(torch.autograd.Function):
         return dx.view(shape), dw.sum(0).to(weight.dtype), None if dg is None else dg.view(shape), None
 
 
+def l2norm_fwd(x, eps):
+    """The Triton forward: ``(y, rstd)``, y in x's shape and dtype, rstd ``[rows]`` fp32; x read in place when its
+    leading dims merge (q / k column slices of the conv output)."""
+    shape, D = x.shape, x.shape[-1]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    R, H = x.numel() // max(D, 1), x.shape[-2] if x.dim() > 1 else 1
+    y = torch.empty(shape, dtype=x.dtype, device=x.device)
+    rstd = torch.empty(R, dtype=torch.float32, device=x.device)
+    block_r, block_d, num_warps = _row_tile(D)
+    if R:
+        x3 = x.reshape(-1, H, D)  # [N, H, D]: a view when the leading dims merge
+        _l2_fwd_kernel[(triton.cdiv(R, block_r),)](
+            x3, y, rstd, R, H, x3.stride(0), x3.stride(1), D, eps,
+            BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
+    return y, rstd
+
+
+def l2norm_bwd(y, rstd, dy):
+    """The Triton backward: x's gradient from the output y, rstd and ``dy``."""
+    D = y.shape[-1]
+    R = rstd.numel()
+    dy = dy.contiguous()
+    dx = torch.empty_like(y)
+    block_r, block_d, num_warps = _row_tile(D)
+    if R:
+        _l2_bwd_kernel[(triton.cdiv(R, block_r),)](
+            y, dy, dx, rstd, R, D, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
+    return dx
+
+
 class _L2NormFn(torch.autograd.Function):
     """L2 norm over the last dim; saves the output y (which KDA keeps anyway as its q / k input) and rstd, not x
     (that would keep the whole conv output alive)."""
 
     @staticmethod
     def forward(ctx, x, eps):
-        shape, D = x.shape, x.shape[-1]
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        R, H = x.numel() // max(D, 1), x.shape[-2] if x.dim() > 1 else 1
-        y = torch.empty(shape, dtype=x.dtype, device=x.device)
-        rstd = torch.empty(R, dtype=torch.float32, device=x.device)
-        block_r, block_d, num_warps = _row_tile(D)
-        if R:
-            x3 = x.reshape(-1, H, D)  # [N, H, D]: a view when the leading dims merge (q / k slices of the conv output)
-            _l2_fwd_kernel[(triton.cdiv(R, block_r),)](
-                x3, y, rstd, R, H, x3.stride(0), x3.stride(1), D, eps,
-                BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
+        y, rstd = l2norm_fwd(x, eps)
         ctx.save_for_backward(y, rstd)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         y, rstd = ctx.saved_tensors
-        D = y.shape[-1]
-        R = rstd.numel()
-        dy = dy.contiguous()
-        dx = torch.empty_like(y)
-        block_r, block_d, num_warps = _row_tile(D)
-        if R:
-            _l2_bwd_kernel[(triton.cdiv(R, block_r),)](
-                y, dy, dx, rstd, R, D, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
-        return dx, None
+        return l2norm_bwd(y, rstd, dy), None
 
 
 # ---------------------------------------------------------------------------------------------------------------------

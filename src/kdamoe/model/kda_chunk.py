@@ -20,48 +20,72 @@ MAX_HEAD_DIM = 256
 MAX_TOKEN_HEADS = 2**31 - 1
 
 
+class KDAContext:
+    """What the chunked forward hands its backward besides the inputs and the kept tensors: the chunk tables, the
+    backward's slabs and the scalars."""
+
+    def __init__(self, tables, slabs, scale, safe, mode, lb):
+        self.tables, self.slabs, self.scale, self.safe, self.mode, self.lb = tables, slabs, scale, safe, mode, lb
+
+
+def kda_forward(q, k, v, g, beta, A_log, dt_bias, scale, h0, output_final_state, cu_seqlens, safe, mode, lb, grad):
+    """The Triton forward on ``[B, T, H, *]`` inputs: ``(o [B, T, H, V], final state or None, KDAContext, kept)``,
+    kept = the tensors the backward takes besides the inputs (A_qk, T, the per-chunk states or None; all None
+    without grad)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    tables = chunk_tables(B, T, cu_seqlens, q.device)
+    slabs = slab_ranges(B, T, H, q.device, SLAB_MIN_TOKEN_HEADS["forward"]) if cu_seqlens is None else None
+    h0c = None if h0 is None else h0.contiguous()
+    fw = chunk_fwd(flatten_rows(q, k, v, g, beta), gate_args(mode, A_log, dt_bias, lb, H, K, q.device), scale, h0c,
+                   tables, safe, output_final_state, keep_tinv=grad, slabs=slabs)
+    # A_qk and T (bf16 with bf16 inputs), [B*T, H, 64] each, are kept for the backward: it skips the intra and
+    # solve kernels; and the per-chunk states (16-bit with 16-bit inputs, [chunks, H, K, V]: 512 B per token and
+    # head at K = V = 128) when they fit (`kept_states`): it skips the chunk loop too. Γ (fp32, 512 B per token and
+    # head) is not: the gate kernel runs again, cheaper than the loop
+    kept = (fw.aqk, fw.tinv, kept_states(fw.hs)) if grad else (None, None, None)
+    bwd_slabs = slab_ranges(B, T, H, q.device, SLAB_MIN_TOKEN_HEADS["backward"]) if cu_seqlens is None else None
+    return fw.o.reshape(B, T, H, V), fw.ht, KDAContext(tables, bwd_slabs, scale, safe, mode, lb), kept
+
+
+def kda_backward(q, k, v, g, beta, A_log, dt_bias, h0, kc: KDAContext, kept, do, dht):
+    """The Triton backward: ``(dq, dk, dv, dg, dβ, dA_log, ddt_bias, dh0)`` in the inputs' shapes (None where an
+    input is None)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if do is None:
+        do = torch.zeros_like(v)
+    dht = None if dht is None else dht.float().contiguous()
+    h0c = None if h0 is None else h0.float().contiguous()
+    gate = gate_args(kc.mode, A_log, dt_bias, kc.lb, H, K, q.device)
+    dq, dk, dv, dg, db, dh0, dgate = chunk_bwd(flatten_rows(q, k, v, g, beta), gate, kc.scale, h0c, kc.tables,
+                                               kc.safe, do.reshape(B * T, H, V), dht, tuple(kept), slabs=kc.slabs)
+    dA_log = ddt_bias = None
+    if A_log is not None:  # the gate's chain rule ran in the last backward kernel
+        dA_log = dgate[0].reshape(A_log.shape).to(A_log.dtype)
+    if dt_bias is not None:
+        ddt_bias = dgate[1].reshape(dt_bias.shape).to(dt_bias.dtype)
+    dh0 = None if dh0 is None else dh0.to(h0.dtype)
+    return (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), dg.reshape(g.shape),
+            db.reshape(beta.shape), dA_log, ddt_bias, dh0)
+
+
 class _ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, scale, h0, output_final_state, cu_seqlens, safe, mode, lb,
                 grad):
-        B, T, H, K = q.shape
-        V = v.shape[-1]
-        tables = chunk_tables(B, T, cu_seqlens, q.device)
-        slabs = slab_ranges(B, T, H, q.device, SLAB_MIN_TOKEN_HEADS["forward"]) if cu_seqlens is None else None
-        h0c = None if h0 is None else h0.contiguous()
-        fw = chunk_fwd(flatten_rows(q, k, v, g, beta), gate_args(mode, A_log, dt_bias, lb, H, K, q.device), scale, h0c,
-                       tables, safe, output_final_state, keep_tinv=grad, slabs=slabs)
-        # A_qk and T (bf16 with bf16 inputs), [B*T, H, 64] each, are kept for the backward: it skips the intra and
-        # solve kernels; and the per-chunk states (16-bit with 16-bit inputs, [chunks, H, K, V]: 512 B per token and
-        # head at K = V = 128) when they fit (`kept_states`): it skips the chunk loop too. Γ (fp32, 512 B per token and
-        # head) is not: the gate kernel runs again, cheaper than the loop
-        saved = (fw.aqk, fw.tinv, kept_states(fw.hs)) if grad else (None, None, None)
-        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, *saved)
-        ctx.slabs = slab_ranges(B, T, H, q.device, SLAB_MIN_TOKEN_HEADS["backward"]) if cu_seqlens is None else None
-        ctx.tables, ctx.scale, ctx.safe, ctx.mode, ctx.lb = tables, scale, safe, mode, lb
-        return fw.o.reshape(B, T, H, V), fw.ht
+        o, ht, kc, kept = kda_forward(q, k, v, g, beta, A_log, dt_bias, scale, h0, output_final_state, cu_seqlens,
+                                      safe, mode, lb, grad)
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, *kept)
+        ctx.kc = kc
+        return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, A_log, dt_bias, h0, *saved = ctx.saved_tensors
-        B, T, H, K = q.shape
-        V = v.shape[-1]
-        if do is None:
-            do = torch.zeros_like(v)
-        dht = None if dht is None else dht.float().contiguous()
-        h0c = None if h0 is None else h0.float().contiguous()
-        gate = gate_args(ctx.mode, A_log, dt_bias, ctx.lb, H, K, q.device)
-        dq, dk, dv, dg, db, dh0, dgate = chunk_bwd(flatten_rows(q, k, v, g, beta), gate, ctx.scale, h0c, ctx.tables,
-                                                   ctx.safe, do.reshape(B * T, H, V), dht, tuple(saved),
-                                                   slabs=ctx.slabs)
-        dA_log = ddt_bias = None
-        if A_log is not None:  # the gate's chain rule ran in the last backward kernel
-            dA_log = dgate[0].reshape(A_log.shape).to(A_log.dtype)
-        if dt_bias is not None:
-            ddt_bias = dgate[1].reshape(dt_bias.shape).to(dt_bias.dtype)
-        dh0 = None if dh0 is None else dh0.to(h0.dtype)
-        return (dq.reshape(q.shape), dk.reshape(k.shape), dv.reshape(v.shape), dg.reshape(g.shape),
-                db.reshape(beta.shape), dA_log, ddt_bias, None, dh0, None, None, None, None, None, None)
+        q, k, v, g, beta, A_log, dt_bias, h0, *kept = ctx.saved_tensors
+        dq, dk, dv, dg, db, dA_log, ddt_bias, dh0 = kda_backward(q, k, v, g, beta, A_log, dt_bias, h0, ctx.kc, kept,
+                                                                 do, dht)
+        return dq, dk, dv, dg, db, dA_log, ddt_bias, None, dh0, None, None, None, None, None, None
 
 
 def gate_args(mode, A_log, dt_bias, lb, H, K, device):

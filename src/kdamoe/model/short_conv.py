@@ -245,52 +245,62 @@ def _doc_args(x, cu_seqlens):
     return cu_seqlens, n_docs, n_docs.bit_length()
 
 
+def conv_silu_fwd(x, weight, cu_seqlens, context):
+    """The Triton forward: ``silu(conv(x))`` ``[B, T, C]`` (x as ``_rows`` reads it, weight contiguous)."""
+    batch, seq_len, channels = x.shape
+    width = weight.shape[1]
+    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    n_tokens = batch * seq_len
+    cfg = LAUNCH["fwd"]
+    cu, n_docs, n_steps = _doc_args(x, cu_seqlens)
+    if n_tokens and channels:
+        _conv_fwd_kernel[(triton.cdiv(n_tokens, cfg["BT"]), triton.cdiv(channels, cfg["BD"]))](
+            x, weight, x if context is None else context, cu, y, n_tokens, seq_len, channels, x.stride(1), n_docs,
+            n_steps,
+            *(context.stride() if context is not None else (0, 0, 0)), W=width, BT=cfg["BT"], BD=cfg["BD"],
+            VARLEN=cu_seqlens is not None, HAS_CTX=context is not None, num_warps=cfg["num_warps"])
+    return y
+
+
+def conv_silu_bwd(x, weight, cu_seqlens, context, dy):
+    """The Triton backward: ``(dx, dweight)`` from the forward's inputs and ``dy`` (the pre-activation recomputed)."""
+    batch, seq_len, channels = x.shape
+    width = weight.shape[1]
+    dy = dy.contiguous()
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dpre = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # the pre-activation's gradient, in x's dtype
+    n_tokens = batch * seq_len
+    cfg, cfg_dx = LAUNCH["dpre"], LAUNCH["dx"]
+    n_blocks, n_cblocks = triton.cdiv(n_tokens, cfg["BT"]), triton.cdiv(channels, cfg["BD"])
+    programs = persistent_programs(x.device, n_blocks, max(n_cblocks, 1), per_sm=cfg["programs_per_sm"])
+    dw = torch.zeros(programs, width, channels, dtype=torch.float32, device=x.device)
+    cu, n_docs, n_steps = _doc_args(x, cu_seqlens)
+    if channels:
+        _conv_dpre_kernel[(programs, n_cblocks)](
+            x, weight, x if context is None else context, cu, dy, dpre, dw, n_tokens, seq_len, channels,
+            x.stride(1), n_docs, n_steps, n_blocks, *(context.stride() if context is not None else (0, 0, 0)),
+            W=width, WP=triton.next_power_of_2(width), BT=cfg["BT"], BD=cfg["BD"],
+            VARLEN=cu_seqlens is not None, HAS_CTX=context is not None, num_warps=cfg["num_warps"])
+    if n_tokens and channels:
+        _conv_dx_kernel[(triton.cdiv(n_tokens, cfg_dx["BT"]), triton.cdiv(channels, cfg_dx["BD"]))](
+            weight, cu, dpre, dx, n_tokens, seq_len, channels, n_docs, n_steps, W=width, BT=cfg_dx["BT"],
+            BD=cfg_dx["BD"], VARLEN=cu_seqlens is not None, num_warps=cfg_dx["num_warps"])
+    return dx, dw.sum(0).t().to(weight.dtype)
+
+
 class _ShortConvSiLUFn(torch.autograd.Function):
     """Saves x, weight, cu_seqlens and context; the backward recomputes the pre-activation."""
 
     @staticmethod
     def forward(ctx, x, weight, cu_seqlens, context):
-        batch, seq_len, channels = x.shape
-        width = weight.shape[1]
         x, weight = _rows(x), weight.contiguous()
-        y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-        n_tokens = batch * seq_len
-        cfg = LAUNCH["fwd"]
-        cu, n_docs, n_steps = _doc_args(x, cu_seqlens)
-        if n_tokens and channels:
-            _conv_fwd_kernel[(triton.cdiv(n_tokens, cfg["BT"]), triton.cdiv(channels, cfg["BD"]))](
-                x, weight, x if context is None else context, cu, y, n_tokens, seq_len, channels, x.stride(1), n_docs,
-                n_steps,
-                *(context.stride() if context is not None else (0, 0, 0)), W=width, BT=cfg["BT"], BD=cfg["BD"],
-                VARLEN=cu_seqlens is not None, HAS_CTX=context is not None, num_warps=cfg["num_warps"])
         ctx.save_for_backward(x, weight, cu_seqlens, context)
-        return y
+        return conv_silu_fwd(x, weight, cu_seqlens, context)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight, cu_seqlens, context = ctx.saved_tensors
-        batch, seq_len, channels = x.shape
-        width = weight.shape[1]
-        dy = dy.contiguous()
-        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        dpre = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # the pre-activation's gradient, in x's dtype
-        n_tokens = batch * seq_len
-        cfg, cfg_dx = LAUNCH["dpre"], LAUNCH["dx"]
-        n_blocks, n_cblocks = triton.cdiv(n_tokens, cfg["BT"]), triton.cdiv(channels, cfg["BD"])
-        programs = persistent_programs(x.device, n_blocks, max(n_cblocks, 1), per_sm=cfg["programs_per_sm"])
-        dw = torch.zeros(programs, width, channels, dtype=torch.float32, device=x.device)
-        cu, n_docs, n_steps = _doc_args(x, cu_seqlens)
-        if channels:
-            _conv_dpre_kernel[(programs, n_cblocks)](
-                x, weight, x if context is None else context, cu, dy, dpre, dw, n_tokens, seq_len, channels,
-                x.stride(1), n_docs, n_steps, n_blocks, *(context.stride() if context is not None else (0, 0, 0)),
-                W=width, WP=triton.next_power_of_2(width), BT=cfg["BT"], BD=cfg["BD"],
-                VARLEN=cu_seqlens is not None, HAS_CTX=context is not None, num_warps=cfg["num_warps"])
-        if n_tokens and channels:
-            _conv_dx_kernel[(triton.cdiv(n_tokens, cfg_dx["BT"]), triton.cdiv(channels, cfg_dx["BD"]))](
-                weight, cu, dpre, dx, n_tokens, seq_len, channels, n_docs, n_steps, W=width, BT=cfg_dx["BT"],
-                BD=cfg_dx["BD"], VARLEN=cu_seqlens is not None, num_warps=cfg_dx["num_warps"])
-        return dx, dw.sum(0).t().to(weight.dtype), None, None
+        return *conv_silu_bwd(x, weight, cu_seqlens, context, dy), None, None
 
 
 def _check_conv(x, weight, cu_seqlens, context):
