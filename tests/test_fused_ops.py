@@ -108,6 +108,86 @@ def state_loop(x, W, state=None, cu_seqlens=None):
     return out
 
 
+def l2norm64(x):
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + EPS)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The KDA layer's conv + L2 norm + chunked KDA as one function (kda_conv_chunk.py)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@kernel_test
+@pytest.mark.parametrize("gate", ["bounded", "softplus"])
+@pytest.mark.parametrize("B,T,lengths", [(2, 70, None), (1, 150, [40, 0, 90, 20])])
+def test_conv_chunk_kda_matches_float64_composition(small_tiles, gate, B, T, lengths):
+    """`conv_chunk_kda` (which keeps qkv and recomputes the conv and the L2 norm in its backward) against the
+    float64 conv -> split -> L2 norm -> `chunk_kda(backend="torch")`: o, the final state, and every gradient for
+    random cotangents of both (plain rows and packed documents, the conv input a column slice)."""
+    from kdamoe.model.kda_conv_chunk import conv_chunk_kda
+
+    H, K = 2, 16
+    C = 3 * H * K
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0))) if lengths else None
+    wide = torch.randn(B, T, C + 5)
+    g = torch.randn(B, T, H, K)
+    beta = torch.rand(B, T, H)
+    A_log, dt_bias = torch.randn(H) * 0.5, torch.randn(H * K)
+    (wide, weight, g, beta, A_log, dt_bias), refs = leaves(wide, torch.randn(C, W_CONV) * 0.5, g, beta, A_log, dt_bias)
+    lb = -5.0 if gate == "bounded" else None
+    kw = dict(A_log=A_log, dt_bias=dt_bias, gate=gate, lower_bound=lb, output_final_state=True)
+    o, ht = conv_chunk_kda(wide[..., 1:C + 1], weight, g, beta, H, cu, **kw)
+
+    wide64, weight64, g64, beta64, A64, dt64 = refs
+    mixed = conv_silu64(wide64[..., 1:C + 1], weight64, cu)
+    q, k, v = (t.reshape(B, T, H, K) for t in mixed.split(H * K, -1))
+    flat = (lambda t: t.reshape(1, B * T, *t.shape[2:])) if cu is not None else (lambda t: t)
+    ro, rht = kda.chunk_kda(flat(l2norm64(q)), flat(l2norm64(k)), flat(v), flat(g64), flat(beta64), cu_seqlens=cu,
+                            use_gate_in_kernel=True, A_log=A64, dt_bias=dt64, gate=gate, lower_bound=lb,
+                            output_final_state=True, backend="torch")
+    assert o.shape == ro.shape and ht.shape == rht.shape
+    assert rel(o, ro) < 1e-4 and rel(ht, rht) < 1e-4
+    cots = torch.randn_like(o), torch.randn_like(ht)
+    grads = torch.autograd.grad((o, ht), [wide, weight, g, beta, A_log, dt_bias], cots)
+    ref_grads = torch.autograd.grad((ro, rht), refs, [c.double() for c in cots])
+    for name, a, b in zip(["qkv", "weight", "g", "beta", "A_log", "dt_bias"], grads, ref_grads):
+        assert a.shape == b.shape and rel(a, b) < 1e-4, name
+    assert grads[0][..., 0].abs().max() == 0 and grads[0][..., C + 1:].abs().max() == 0  # outside the slice
+
+
+@kernel_test
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_kda_layer_in_one_function_equals_the_separate_ops(monkeypatch, use_cache):
+    """The whole model with its KDA layers through `conv_chunk_kda` (Triton, the rest on the torch path) against
+    the same model through the separate ops: loss, every gradient and the cached states, plain and packed rows."""
+    import kdamoe
+    from conftest import cache_of, tiny_config
+
+    torch.manual_seed(0)
+    config = tiny_config(kda_head_dim=16, router_balancing="none", mlp_layer_types=["dense"] * 4)
+    model = kdamoe.KDAMoEForCausalLM(config).train()
+    ids = torch.randint(3, 97, (2, 70))
+    positions = torch.cat([torch.arange(30), torch.arange(40)]).repeat(2, 1)
+    for kwargs in ({}, {"position_ids": positions}):
+        runs = []
+        for one_function in (False, True):
+            monkeypatch.setattr(modeling_kdamoe, "conv_kda_in_one_function",
+                                lambda qkv: one_function and torch.is_grad_enabled())
+            model.zero_grad()
+            out = model(ids, labels=ids, use_cache=use_cache, **kwargs)
+            out.loss.backward()
+            states = [layer.recurrent_states[0] for layer in cache_of(out).layers
+                      if getattr(layer, "recurrent_states", None)] if use_cache else []
+            runs.append((out.loss, {n: p.grad.clone() for n, p in model.named_parameters()}, states))
+        (ref_loss, ref_grads, ref_states), (loss, grads, states) = runs
+        assert rel(loss, ref_loss) < 1e-5
+        for name, ref in ref_grads.items():
+            assert rel(grads[name], ref) < 1e-4, name
+        assert len(states) == len(ref_states) == (3 if use_cache else 0)
+        for a, b in zip(states, ref_states):
+            assert rel(a, b) < 1e-4
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Norm kernels
 # ---------------------------------------------------------------------------------------------------------------------
@@ -158,7 +238,7 @@ def test_gated_rms_norm_rounds_as_the_unfused_expression(o_dtype, gate_dtype):
 def test_l2norm_kernels_match_float64(small_tiles, shape):
     (x,), (x64,) = leaves(torch.randn(shape) * 2)
     out = fused_norm.l2norm(x, backend="triton")
-    check(out, x64 * torch.rsqrt(x64.pow(2).sum(-1, keepdim=True) + EPS), [x], [x64])
+    check(out, l2norm64(x64), [x], [x64])
 
 
 @kernel_test

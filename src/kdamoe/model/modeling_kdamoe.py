@@ -51,6 +51,11 @@ from .model_inputs import (
 from .moe import KDAMoEExperts, KDAMoEMLP, KDAMoERouter, KDAMoESparseMoeBlock, apply_balancing, summary_to_host
 from .short_conv import short_conv_silu, short_conv_state
 
+try:
+    from .kda_conv_chunk import conv_chunk_kda
+except ImportError:
+    conv_chunk_kda = None
+
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Small modules and helpers
@@ -123,6 +128,13 @@ def eager_attention_forward(
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def conv_kda_in_one_function(qkv: torch.Tensor) -> bool:
+    """Whether the KDA layer runs its conv, L2 norm and chunked KDA as `conv_chunk_kda` (one autograd function that
+    recomputes the conv and the norm in its backward rather than keep q, k, v): Triton on CUDA, with grad, not
+    traced."""
+    return conv_chunk_kda is not None and qkv.is_cuda and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
 class KDAMoEKimiDeltaAttention(nn.Module):
     """Kimi Delta Attention with a bounded (or softplus) log-decay gate (docs/design.md §2).
 
@@ -175,19 +187,9 @@ class KDAMoEKimiDeltaAttention(nn.Module):
         qkv, beta, decay, out_gate = fused_projections(  # [B, T, 3·H·K], [B, T, H], [B, T, K], [B, T, K]
             hidden_states, (self.q_proj, self.k_proj, self.v_proj), (self.beta_proj,), (self.decay_down_proj,),
             (self.out_gate_down_proj,))
-        context = layer_cache.conv_states[0][..., 1:].transpose(1, 2) if decoding else None
-        cu_seqlens = packed.cu_seqlens_device if packed is not None else None
-        if shard is not None:  # the previous rank's last inputs lead each row
-            mixed = short_conv_silu(shard.conv_input(qkv), self.conv_weight, cu_seqlens=shard.conv_cu_seqlens)
-            mixed = mixed[:, self.conv_size - 1:]
-        else:
-            mixed = short_conv_silu(qkv, self.conv_weight, cu_seqlens=cu_seqlens, context=context)
-        q, key, v = (t.view(batch, seq_len, h, k) for t in mixed.split(h * k, dim=-1))
-        # q, k L2-normalised per head; v copied out, so that what the op keeps holds no view of the whole conv output
-        q, key, v = l2norm(q), l2norm(key), v.contiguous()
         beta = beta.to(torch.promote_types(beta.dtype, torch.float32)).sigmoid()  # [B, T, H], fp32 or fp64
         g_raw = self.decay_up_proj(decay).view(batch, seq_len, h, k)
-
+        cu_seqlens = packed.cu_seqlens_device if packed is not None else None
         kda_kwargs = dict(
             use_gate_in_kernel=True,
             A_log=self.A_log,
@@ -196,29 +198,55 @@ class KDAMoEKimiDeltaAttention(nn.Module):
             lower_bound=self.lower_bound if self.gate == "bounded" else None,
             output_final_state=cache is not None,
         )
-        if decoding:
-            initial_state = layer_cache.recurrent_states[0]
-            kda = recurrent_kda if seq_len < 64 else chunk_kda
-            o, state = kda(q, key, v, g_raw, beta, initial_state=initial_state, **kda_kwargs)
-        elif packed is not None:  # documents of all rows run as one flattened varlen sequence
-            flat = (t.reshape(1, batch * seq_len, *t.shape[2:]) for t in (q, key, v, g_raw, beta))
-            kda = shard.kda if shard is not None else chunk_kda
-            o, state = kda(*flat, cu_seqlens=packed.cu_seqlens, **kda_kwargs)
+        if not decoding and shard is None and conv_kda_in_one_function(qkv):  # keeps qkv for the backward, not q, k, v
+            flat = (lambda t: t.reshape(1, batch * seq_len, *t.shape[2:])) if packed is not None else (lambda t: t)
+            o, state = conv_chunk_kda(qkv, self.conv_weight, flat(g_raw), flat(beta), h,
+                                      packed.cu_seqlens if packed is not None else None, cu_seqlens, **kda_kwargs)
             o = o.view(batch, seq_len, h, k)
-            state = state[packed.last_doc_of_row] if state is not None else None
-        elif shard is not None:
-            o, state = shard.kda(q, key, v, g_raw, beta, **kda_kwargs)
+            if packed is not None and state is not None:
+                state = state[packed.last_doc_of_row]
         else:
-            o, state = chunk_kda(q, key, v, g_raw, beta, **kda_kwargs)
+            o, state = self._conv_and_kda(qkv, g_raw, beta, layer_cache, packed, shard, kda_kwargs)
 
         if cache is not None:  # the decode context never reaches into an earlier document
             conv_state = short_conv_state(qkv, self.conv_size, state=layer_cache.conv_states[0] if decoding else None,
                                           cu_seqlens=cu_seqlens)
             cache.update_conv_state(conv_state, self.layer_idx, conv_kernel_size=self.conv_size)
             cache.update_recurrent_state(state.float(), self.layer_idx)
+        return self._output(o, out_gate)
 
+    def _conv_and_kda(self, qkv, g_raw, beta, layer_cache, packed, shard, kda_kwargs):
+        """The conv + SiLU, the q/k L2 norm and the KDA op as separate ops (decoding, context parallelism, the CPU,
+        inference, tracing): `(o [B, T, H, K], final state or None)`."""
+        batch, seq_len, _ = qkv.shape
+        h, k = self.num_heads, self.head_dim
+        cu_seqlens = packed.cu_seqlens_device if packed is not None else None
+        if shard is not None:  # the previous rank's last inputs lead each row
+            mixed = short_conv_silu(shard.conv_input(qkv), self.conv_weight, cu_seqlens=shard.conv_cu_seqlens)
+            mixed = mixed[:, self.conv_size - 1:]
+        else:
+            context = layer_cache.conv_states[0][..., 1:].transpose(1, 2) if layer_cache is not None else None
+            mixed = short_conv_silu(qkv, self.conv_weight, cu_seqlens=cu_seqlens, context=context)
+        q, key, v = (t.view(batch, seq_len, h, k) for t in mixed.split(h * k, dim=-1))
+        # q, k L2-normalised per head; v copied out, so that what the op keeps holds no view of the whole conv output
+        q, key, v = l2norm(q), l2norm(key), v.contiguous()
+        if layer_cache is not None:  # decoding
+            kda = recurrent_kda if seq_len < 64 else chunk_kda
+            return kda(q, key, v, g_raw, beta, initial_state=layer_cache.recurrent_states[0], **kda_kwargs)
+        if packed is not None:  # documents of all rows run as one flattened varlen sequence
+            flat = (t.reshape(1, batch * seq_len, *t.shape[2:]) for t in (q, key, v, g_raw, beta))
+            kda = shard.kda if shard is not None else chunk_kda
+            o, state = kda(*flat, cu_seqlens=packed.cu_seqlens, **kda_kwargs)
+            return o.view(batch, seq_len, h, k), state[packed.last_doc_of_row] if state is not None else None
+        if shard is not None:
+            return shard.kda(q, key, v, g_raw, beta, **kda_kwargs)
+        return chunk_kda(q, key, v, g_raw, beta, **kda_kwargs)
+
+    def _output(self, o: torch.Tensor, out_gate: torch.Tensor) -> torch.Tensor:
+        """`o [B, T, H, K]` → o_norm(o) · sigmoid(out_gate_up_proj(out_gate)) → `o_proj` → `[B, T, D]`."""
+        batch, seq_len, h, k = o.shape
         out_gate = self.out_gate_up_proj(out_gate).view(batch, seq_len, h, k)
-        o = gated_rms_norm(o, self.o_norm.weight, out_gate, self.o_norm.eps)  # o_norm(o) * sigmoid(out_gate)
+        o = gated_rms_norm(o, self.o_norm.weight, out_gate, self.o_norm.eps)
         return self.o_proj(o.reshape(batch, seq_len, h * k))
 
     def _decode_step(self, hidden_states: torch.Tensor, layer_cache) -> torch.Tensor:
