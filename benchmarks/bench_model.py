@@ -63,6 +63,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -293,6 +294,56 @@ def profile_step(case: Case, path: Path, title: str) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def memory_breakdown(case: Case) -> dict:
+    """Where one step's memory goes (CUDA): what is allocated before the forward (weights, AdamW state), what the
+    forward leaves for the backward, the backward's peak over that; and the tensors autograd saves, by the innermost
+    module that saved them (layer indices as N; storages counted once, parameters left out), in GiB."""
+    case.sync()
+    params = {p.untyped_storage().data_ptr() for p in case.model.parameters()}
+    stack, saved = [], {}
+
+    names = {module: re.sub(r"\.\d+(?=\.|$)", ".N", name) or "(model)" for name, module in case.model.named_modules()}
+
+    def enter(module, inputs):
+        stack.append(names[module])
+
+    def leave(module, inputs, output):
+        stack.pop()
+
+    handles = [h for m in case.model.modules() for h in (m.register_forward_pre_hook(enter),
+                                                         m.register_forward_hook(leave))]
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved.setdefault(storage.data_ptr(), (storage.nbytes(), stack[-1] if stack else "(no module)"))
+        return t
+
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = case.model(**case.batch).loss
+    finally:
+        for h in handles:
+            h.remove()
+    case.sync()
+    after_forward, forward_peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss.backward()
+    case.sync()
+    backward_peak = torch.cuda.max_memory_allocated()
+    del loss
+    case.update()
+    by_module = {}
+    for nbytes, owner in saved.values():
+        by_module[owner] = by_module.get(owner, 0) + nbytes
+    return {"before_forward_gib": base / GIB, "kept_by_forward_gib": (after_forward - base) / GIB,
+            "forward_peak_gib": forward_peak / GIB, "backward_peak_gib": backward_peak / GIB,
+            "saved_gib": sum(by_module.values()) / GIB,
+            "saved_by_module_gib": {k: v / GIB for k, v in sorted(by_module.items(), key=lambda kv: -kv[1])}}
+
+
 def checkpointing(model) -> bool:
     """Whether the model reports activation checkpointing on (the property's name depends on transformers)."""
     if hasattr(type(model), "is_activation_checkpointing"):
@@ -332,6 +383,8 @@ def run_case(row: Row, lib: str, args, s: dict, device, dtype, fla_models) -> di
     if cuda:
         result["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
         result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+    if cuda and row.name in args.memory:  # after the peak is read: it resets the peak statistics
+        result["memory"] = memory_breakdown(case)
     return result
 
 
@@ -446,6 +499,8 @@ def parse_args():
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/model_h200.json"), help="results JSON")
     p.add_argument("--profile", metavar="ROWS", default="",
                    help="comma-separated rows: write a torch.profiler table of one step of each per library")
+    p.add_argument("--memory", metavar="ROWS", default="",
+                   help="comma-separated rows: also break one step's memory down (CUDA; `memory_breakdown`)")
     p.add_argument("--tiny", action="store_true", help="a few-layer tiny config on whatever device is present")
     p.add_argument("--kda-states-limit-gib", type=float, default=None,
                    help="ours: keep a KDA call's per-chunk states for the backward up to this many GiB (the model's "
@@ -467,8 +522,10 @@ def parse_args():
         OURS[name] = load_alt(name, path)
         args.libs.append(name)
     args.profile = [r.strip() for r in args.profile.split(",") if r.strip()]
-    if unknown := sorted(set(args.profile) - set(args.rows)):
-        p.error(f"--profile {unknown} not among --rows")
+    args.memory = [r.strip() for r in args.memory.split(",") if r.strip()]
+    for flag, chosen in (("--profile", args.profile), ("--memory", args.memory)):
+        if unknown := sorted(set(chosen) - set(args.rows)):
+            p.error(f"{flag} {unknown} not among --rows")
     return args
 
 

@@ -11,10 +11,12 @@
 #   (ours against fla's model; MODEL_ROWS picks rows), fla's autotuning packed again (a limit of 0 skips a part);
 #   `DECODE=1 REST=0 DECODE_BENCH_S=0 bash tools/gpu_suite.sh`: the CUDA tests of the static cache, the decode steps
 #   replayed as CUDA graphs and the fused decode kernel; `DECODE=1 REST=0 DECODE_TEST_S=0 ...`:
-#   benchmarks/bench_decode.py (DECODE_MODELS, DECODE_CONTEXTS, DECODE_BATCHES narrow it);
+#   benchmarks/bench_decode.py (DECODE_MODELS, DECODE_CONTEXTS, DECODE_BATCHES,
+#   DECODE_MAX_PREFILL narrow it);
 #   `PROFILE=1 REST=0 ...`: benchmarks/profile_ops.py (kernel tables, ours vs fla-core; autotunes fla again);
 #   `LONG=1 REST=0 bash tools/gpu_suite.sh` (~7 min; carry .gpu/tok32k and .gpu/fla_autotune.tgz): million-token
-#   contexts, each part under its own limit (LONG_TEST_S, LONG_BENCH_S, LONG_TRAIN_S, LONG_EVAL_S; 0 skips it):
+#   contexts, each part under its own limit (LONG_TEST_S, LONG_BENCH_S, LONG_TRAIN_S, LONG_EVAL_S; 0 skips it;
+#   LONG_PARTS narrows the benchmark's parts):
 #   tests/test_long_context.py (a 1M-token prefill and 32 cached decode steps per kind of config),
 #   benchmarks/bench_long_context.py (1M prefill of the twin and the hybrid MoE, SDPA alone, decode after 4K vs 1M,
 #   the twin's 1M training step against fla's), the `small` preset trained 8K -> 64K -> 256K -> 1M
@@ -71,6 +73,7 @@ if [ "${DECODE:-0}" = 1 ]; then
     echo "== bench_decode (static cache + CUDA graphs, the dynamic cache, fla's KDAForCausalLM; one process)"
     timeout "${DECODE_BENCH_S:-540}" python3 benchmarks/bench_decode.py --models "${DECODE_MODELS:-kda,hybrid}" \
       --contexts "${DECODE_CONTEXTS:-1024,32768,131072,1048576}" --batches "${DECODE_BATCHES:-1,16,64}" \
+      --max-prefill-tokens "${DECODE_MAX_PREFILL:-16777216}" \
       --out "$OUT/bench_decode_h200.json" 2>&1 | grep -v -i warn | tee "$OUT/bench_decode.log" | tail -40
   fi
 fi
@@ -96,7 +99,8 @@ if [ "${LONG:-0}" = 1 ]; then
     fi
     if [ "${LONG_BENCH_S:-180}" != 0 ]; then
       echo "== bench_long_context: 1M prefill, SDPA, decode after 4K vs 1M, 1M training step (ours, fla)"
-      timeout "${LONG_BENCH_S:-180}" python3 benchmarks/bench_long_context.py --out "$OUT/long_context.json" 2>&1 \
+      timeout "${LONG_BENCH_S:-180}" python3 benchmarks/bench_long_context.py --parts "${LONG_PARTS:-prefill,sdpa,decode,train}" \
+        --out "$OUT/long_context.json" 2>&1 \
         | grep -v -i warn | tail -22
     fi
     if [ "${LONG_TRAIN_S:-150}" != 0 ]; then
