@@ -172,6 +172,27 @@ def test_bad_inputs(tmp_path, model_dir):
         ev.evaluate(model_dir, tmp_path / "out", ev.EvalSettings(position_rows=0))
 
 
+def test_a_model_with_non_finite_loss_is_an_error_not_a_report(model_dir, tmp_path, capsys):
+    """A model whose held-out loss is NaN stops kdamoe-eval with one line naming the dtype (no eval.json of NaNs)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    model = AutoModelForCausalLM.from_pretrained(broken, trust_remote_code=True)
+    with torch.no_grad():
+        model.model.norm.weight.fill_(float("nan"))
+    model.save_pretrained(broken)
+    with pytest.raises(SystemExit) as exit_info:
+        ev.main([str(broken), "--output-dir", str(tmp_path / "eval"), "--rows", "2", "--device", "cpu",
+                 "--no-progress", "--no-plots"])
+    assert exit_info.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after the loading messages
+    assert last.startswith("kdamoe-eval: error: ") and "not finite in float32 on cpu" in last
+    assert not (tmp_path / "eval" / "eval.json").exists()
+
+
 def test_next_token_losses_in_chunks_equal_the_full_logits(loaded):
     model = loaded[0]
     ids = torch.randint(3, model.config.vocab_size, (1, 50))

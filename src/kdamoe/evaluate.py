@@ -643,6 +643,9 @@ def evaluate(path: str | Path, output_dir: str | Path, settings: EvalSettings | 
         with Resources(device) as used:
             report = heldout_metrics(model, tokenizer, val, s.batch_size, device, bar)
         resources["heldout"] = used.as_dict()
+        if not math.isfinite(report["perplexity"]["loss"]):
+            raise UsageError(f"the model's held-out loss is not finite in {str(dtype).removeprefix('torch.')} on "
+                               f"{device.type}: no metric of this run would mean anything; try --dtype float32")
         bar.set_postfix_str("loss by position")
         with Resources(device) as used:
             report["length_extrapolation"] = length_extrapolation(model, long, from_docs, train_length,
