@@ -156,16 +156,19 @@ def test_conv_chunk_kda_matches_float64_composition(small_tiles, gate, B, T, len
 
 
 @kernel_test
-@pytest.mark.parametrize("use_cache", [False, True])
-def test_kda_layer_in_one_function_equals_the_separate_ops(monkeypatch, use_cache):
+@pytest.mark.parametrize("use_cache,checkpointing", [(False, False), (True, False), (False, True)])
+def test_kda_layer_in_one_function_equals_the_separate_ops(monkeypatch, use_cache, checkpointing):
     """The whole model with its KDA layers through `conv_chunk_kda` (Triton, the rest on the torch path) against
-    the same model through the separate ops: loss, every gradient and the cached states, plain and packed rows."""
+    the same model through the separate ops: loss, every gradient and the cached states, plain and packed rows,
+    also under activation checkpointing (which runs the function's forward again in the backward)."""
     import kdamoe
     from conftest import cache_of, tiny_config
 
     torch.manual_seed(0)
     config = tiny_config(kda_head_dim=16, router_balancing="none", mlp_layer_types=["dense"] * 4)
     model = kdamoe.KDAMoEForCausalLM(config).train()
+    if checkpointing:  # transformers >= 5.2x calls it `activation_checkpointing_enable`; 5.17 the older name
+        getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
     ids = torch.randint(3, 97, (2, 70))
     positions = torch.cat([torch.arange(30), torch.arange(40)]).repeat(2, 1)
     for kwargs in ({}, {"position_ids": positions}):
