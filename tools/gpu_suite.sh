@@ -8,8 +8,8 @@
 #   1M-token forwards;
 #   `MODEL=1 REST=0 MODEL_BENCH_S=0 bash tools/gpu_suite.sh` (~7 min): the CUDA tests of the model's fused path,
 #   torch.compile and offsets past 2^31; `MODEL=1 REST=0 MODEL_TEST_S=0 ...` (~6 min): benchmarks/bench_model.py
-#   (ours against fla's model; MODEL_ROWS picks rows,
-#   MODEL_PROFILE / MODEL_MEMORY the rows profiled / broken down by memory), fla's autotuning packed again (a limit of 0 skips a part);
+#   (ours against fla's model; MODEL_ROWS picks rows, MODEL_PROFILE / MODEL_MEMORY the rows profiled / broken down
+#   by memory), fla's autotuning packed again (a limit of 0 skips a part);
 #   `DECODE=1 REST=0 DECODE_BENCH_S=0 bash tools/gpu_suite.sh`: the CUDA tests of the static cache, the decode steps
 #   replayed as CUDA graphs and the fused decode kernel; `DECODE=1 REST=0 DECODE_TEST_S=0 ...`:
 #   benchmarks/bench_decode.py (DECODE_MODELS, DECODE_CONTEXTS, DECODE_BATCHES,
