@@ -3,15 +3,13 @@ against the torch path (under ``TRITON_INTERPRET=1`` without a GPU, small shapes
 its compilation for sm_90."""
 
 import copy
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_interpreter import DEV, ON_GPU, gpu_only, kernel_test, rerun_in_interpreter, rerun_test
+from triton_interpreter import (DEV, ON_GPU, check_compiles_for_sm90, gpu_only, kernel_test,
+                                rerun_in_interpreter, rerun_test)
 
 from kdamoe.model import kda_decode  # noqa: E402
 
@@ -171,21 +169,10 @@ def test_argument_errors():
         kda_decode.kda_decode_step(*args, **{**kwargs, "dt_bias": kwargs["dt_bias"][:3]})
 
 
-COMPILE_FOR_SM90 = r"""
-import torch, triton
-from triton._C.libtriton import native_specialize_impl
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import CUDABackend
-from triton.compiler import ASTSource
+SM90_LAUNCHES = r"""
 from kdamoe.model import kda_decode
 
-launches = []
 kernel = kda_decode._decode_kernel
-class Record:
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: launches.append((args, kwargs))
-
-
 kda_decode._decode_kernel = Record()
 H, K, V, W = 8, 128, 128, 4
 for dtype in (torch.bfloat16, torch.float32):
@@ -194,27 +181,10 @@ for dtype in (torch.bfloat16, torch.float32):
     kda_decode.kda_decode_step_triton(x(1, H * K), x(1, H * K), x(1, H * V), x(1, H), x(1, H * K), x(1, H * V),
                                       x(1, C, W), torch.zeros(1, H, K, V), conv_weight=x(C, W), A_log=torch.zeros(H),
                                       dt_bias=x(H * K), norm_weight=x(V), norm_eps=1e-6, gate="bounded")
-for args, kwargs in launches:
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-    values = dict(zip(kernel.arg_names, args), **kwargs)
-    signature, constants = {}, {}
-    for name, param in zip(kernel.arg_names, kernel.params):
-        if param.is_constexpr:
-            signature[name], constants[name] = "constexpr", values[name]
-        else:
-            signature[name] = native_specialize_impl(CUDABackend, values[name], False, True, True)[0]
-            if signature[name] == "constexpr":
-                constants[name] = values[name]
-    triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32), options=options)
-print("OK")
 """
 
 
 def test_kernel_compiles_for_sm90():
     """The kernel compiles to a cubin for an H100/H200 (sm_90) as the GPU launches it (bf16 and fp32, the model's
     head dims), which the interpreter does not check; no GPU needed, in a process without the interpreter."""
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
+    check_compiles_for_sm90(SM90_LAUNCHES, expected=2)
