@@ -55,7 +55,7 @@ try:
     from .kda_conv_chunk import conv_chunk_kda
 except ImportError:
     conv_chunk_kda = None
-from . import decode_attention as split_kv
+from .decode_attention import decode_attention, supported as split_kv_supported
 
 # Decode steps over at least this many cached keys use `decode_attention` (split over the keys) instead of SDPA.
 SPLIT_KV_MIN_KEYS = 4096
@@ -337,7 +337,7 @@ class KDAMoEAttention(nn.Module):
         backends = sdpa_kernel(_CACHED_SDPA_BACKENDS) if shapes_vary and q.is_cuda else contextlib.nullcontext()
         query = q.transpose(1, 2)  # [B, Hq, T, Dh]
         if self._split_kv_decode(query, keys, cache):
-            return self.o_proj(split_kv.decode_attention(query, keys, values, attention_mask, self.scaling)
+            return self.o_proj(decode_attention(query, keys, values, attention_mask, self.scaling)
                                .reshape(batch, seq_len, -1))
         with backends:
             if per_document:
@@ -350,7 +350,7 @@ class KDAMoEAttention(nn.Module):
         """A cached step of one token per row over at least `SPLIT_KV_MIN_KEYS` keys, on CUDA, with the SDPA
         implementation chosen: `decode_attention` (the keys split across the GPU) rather than SDPA."""
         return (cache is not None and query.is_cuda and not self.training and keys.shape[2] >= SPLIT_KV_MIN_KEYS
-                and self.config._attn_implementation == "sdpa" and split_kv.supported(query, keys))
+                and self.config._attn_implementation == "sdpa" and split_kv_supported(query, keys))
 
     def _attend_per_document(self, attention, q, k, v, cu_seqlens, kwargs) -> torch.Tensor:
         """Causal attention inside each document of packed rows, one call per document, with no `[T, T]` mask:
