@@ -38,6 +38,13 @@ def tiny_config(**overrides) -> "kdamoe.KDAMoEConfig":
     return kdamoe.KDAMoEConfig(**kwargs)
 
 
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative error ||a - b|| / ||b|| in float64 on the CPU; a must be finite."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    assert torch.isfinite(a).all()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
 def cache_of(out):
     """The cache a model output carries (transformers renamed the field from `past_key_values` to `cache`)."""
     return getattr(out, CACHE_FIELD)

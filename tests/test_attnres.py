@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from triton_interpreter import DEV, ON_GPU, kernel_test, rerun_in_interpreter, rerun_test
+from conftest import rel
 
 from kdamoe.model import attnres, attnres_triton  # noqa: E402
 from kdamoe.model.attnres import DepthAttention  # noqa: E402
@@ -105,12 +106,6 @@ def small_tiles(monkeypatch):
     """2 rows of D <= 32 per tile, 1 of wider rows (the interpreter runs 3 persistent programs)."""
     for cfg in attnres_triton.LAUNCH.values():
         monkeypatch.setitem(cfg, "tile", 64)
-
-
-def rel(a, b):
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    assert torch.isfinite(a).all()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def on_dev(module, sources, dtype=torch.float32, requires_grad=True):

@@ -7,6 +7,7 @@ import torch
 
 from triton_interpreter import (DEV, ON_GPU, check_compiles_for_sm90, kernel_test, rerun_in_interpreter,
                                 rerun_test)
+from conftest import rel
 
 from kdamoe.model import decode_attention, modeling_kdamoe  # noqa: E402
 
@@ -18,12 +19,6 @@ TOL = 1e-4 if ON_GPU else 1e-5
 @rerun_test
 def test_kernels_in_interpreter_subprocess():
     rerun_in_interpreter(__file__, timeout=600)
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def reference(q, k, v, mask, scale):

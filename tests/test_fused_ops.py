@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from triton_interpreter import DEV, kernel_test, rerun_in_interpreter, rerun_test
+from conftest import rel
 
 from kdamoe.model import fused_norm, kda, modeling_kdamoe, short_conv  # noqa: E402
 
@@ -40,12 +41,6 @@ def small_tiles(monkeypatch):
     monkeypatch.setitem(short_conv.LAUNCH, "dpre", dict(BT=8, BD=16, num_warps=1, programs_per_sm=1))
     monkeypatch.setitem(short_conv.LAUNCH, "dx", dict(BT=8, BD=16, num_warps=1))
     monkeypatch.setitem(short_conv.LAUNCH, "state", dict(BD=16, num_warps=1))
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def leaves(*tensors):

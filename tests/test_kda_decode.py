@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from triton_interpreter import (DEV, ON_GPU, check_compiles_for_sm90, gpu_only, kernel_test,
                                 rerun_in_interpreter, rerun_test)
+from conftest import rel
 
 from kdamoe.model import kda_decode  # noqa: E402
 
@@ -21,12 +22,6 @@ TOL = 1e-4 if ON_GPU else 1e-5  # fp32: the GPU's exp / rsqrt approximations, th
 @rerun_test
 def test_kernels_in_interpreter_subprocess():
     rerun_in_interpreter(__file__, timeout=600)
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def make_step(B=2, H=2, K=16, V=24, W=4, gate="bounded", dtype=torch.float32, device=DEV, seed=0):

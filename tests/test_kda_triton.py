@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from triton_interpreter import DEV, ON_GPU, gpu_only, kernel_test, rerun_in_interpreter, rerun_test
+from conftest import rel
 
 pytest.importorskip("triton")
 from kdamoe.model import kda, kda_chunk_bwd, kda_chunk_fwd, kda_launch  # noqa: E402
@@ -69,12 +70,6 @@ def test_chunk_tables_fixed_length_cached_and_equal_to_a_loop(B, T):
 @rerun_test
 def test_kernels_in_interpreter_subprocess():
     rerun_in_interpreter(__file__, timeout=1200)
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def make_inputs(B, T, H, K, V, gate="bounded", dtype=torch.float32, g_scale=1.0, seed=0):

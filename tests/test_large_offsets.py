@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from triton_interpreter import DEV, ON_GPU, gpu_only
+from conftest import rel
 
 from kdamoe.model import attnres, fused_norm, kda, moe, moe_triton, short_conv
 from kdamoe.model.kda_chunk import MAX_TOKEN_HEADS, chunk_kda_triton
@@ -34,12 +35,6 @@ def _peak_memory():
     peak = torch.cuda.max_memory_allocated()
     torch.cuda.empty_cache()
     assert peak <= MEMORY_LIMIT, f"peak {peak / 2**30:.1f} GiB"
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    assert torch.isfinite(a).all()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def randn(*shape, dtype=BF16, scale=1.0):
