@@ -202,15 +202,16 @@ class KDAMoEKimiDeltaAttention(nn.Module):
             lower_bound=self.lower_bound if self.gate == "bounded" else None,
             output_final_state=cache is not None,
         )
+        # packed documents of all rows run as one flattened varlen sequence
+        flat = (lambda t: t.reshape(1, batch * seq_len, *t.shape[2:])) if packed is not None else (lambda t: t)
         if not decoding and shard is None and conv_kda_in_one_function(qkv):  # keeps qkv for the backward, not q, k, v
-            flat = (lambda t: t.reshape(1, batch * seq_len, *t.shape[2:])) if packed is not None else (lambda t: t)
             o, state = conv_chunk_kda(qkv, self.conv_weight, flat(g_raw), flat(beta), h,
                                       packed.cu_seqlens if packed is not None else None, cu_seqlens, **kda_kwargs)
-            o = o.view(batch, seq_len, h, k)
-            if packed is not None and state is not None:
-                state = state[packed.last_doc_of_row]
         else:
-            o, state = self._conv_and_kda(qkv, g_raw, beta, layer_cache, packed, shard, kda_kwargs)
+            o, state = self._conv_and_kda(qkv, g_raw, beta, layer_cache, packed, shard, flat, kda_kwargs)
+        o = o.view(batch, seq_len, h, k)
+        if packed is not None and state is not None:
+            state = state[packed.last_doc_of_row]
 
         if cache is not None:  # the decode context never reaches into an earlier document
             conv_state = short_conv_state(qkv, self.conv_size, state=layer_cache.conv_states[0] if decoding else None,
@@ -219,9 +220,9 @@ class KDAMoEKimiDeltaAttention(nn.Module):
             cache.update_recurrent_state(state.float(), self.layer_idx)
         return self._output(o, out_gate)
 
-    def _conv_and_kda(self, qkv, g_raw, beta, layer_cache, packed, shard, kda_kwargs):
+    def _conv_and_kda(self, qkv, g_raw, beta, layer_cache, packed, shard, flat, kda_kwargs):
         """The conv + SiLU, the q/k L2 norm and the KDA op as separate ops (decoding, context parallelism, the CPU,
-        inference, tracing): `(o [B, T, H, K], final state or None)`."""
+        inference, tracing): `(o, final state or None)`, both as the op returns them (`flat` rows when packed)."""
         batch, seq_len, _ = qkv.shape
         h, k = self.num_heads, self.head_dim
         cu_seqlens = packed.cu_seqlens_device if packed is not None else None
@@ -237,11 +238,9 @@ class KDAMoEKimiDeltaAttention(nn.Module):
         if layer_cache is not None:  # decoding
             kda = recurrent_kda if seq_len < 64 else chunk_kda
             return kda(q, key, v, g_raw, beta, initial_state=layer_cache.recurrent_states[0], **kda_kwargs)
-        if packed is not None:  # documents of all rows run as one flattened varlen sequence
-            flat = (t.reshape(1, batch * seq_len, *t.shape[2:]) for t in (q, key, v, g_raw, beta))
+        if packed is not None:
             kda = shard.kda if shard is not None else chunk_kda
-            o, state = kda(*flat, cu_seqlens=packed.cu_seqlens, **kda_kwargs)
-            return o.view(batch, seq_len, h, k), state[packed.last_doc_of_row] if state is not None else None
+            return kda(*map(flat, (q, key, v, g_raw, beta)), cu_seqlens=packed.cu_seqlens, **kda_kwargs)
         if shard is not None:
             return shard.kda(q, key, v, g_raw, beta, **kda_kwargs)
         return chunk_kda(q, key, v, g_raw, beta, **kda_kwargs)
