@@ -23,8 +23,10 @@ checkpointing through `gradient_checkpointing_enable()` on both).
 
 A step is what a trainer does: forward with `labels` (both models shift them inside), backward, AdamW step
 (fused on CUDA), `zero_grad(set_to_none=True)` and, for ours, `apply_load_balancing(to_host=False)` (the bias update;
-its statistics stay on the device, reading them is one more copy). bf16 weights
-(`model.to(torch.bfloat16)`, no autocast), random token ids uniform in [0, V), a fresh model per row.
+its statistics stay on the device, reading them is one more copy). `--precision bf16` (the default): bf16 weights
+(`model.to(torch.bfloat16)`, no autocast); `--precision amp`: fp32 weights, forward under bf16 autocast (what
+`kdamoe-train` runs on a GPU: Accelerate's `mixed_precision="bf16"`), both libraries alike. Random token ids uniform
+in [0, V), a fresh model per row.
 
 Per row and library:
 - step time: median over `--steps` timed steps after `--warmup` (`--long-steps` / `--long-warmup` for the long
@@ -201,8 +203,10 @@ def step_flops(model, row: Row, lib: str) -> float:
 class Case:
     """One library's model, optimizer and batch for one row."""
 
-    def __init__(self, row: Row, lib: str, s: dict, device: torch.device, dtype: torch.dtype, fla_models):
+    def __init__(self, row: Row, lib: str, s: dict, device: torch.device, dtype: torch.dtype, fla_models,
+                 amp: bool = False):
         torch.manual_seed(0)
+        self.amp = amp  # forward under bf16 autocast (fp32 weights)
         with device:
             if lib in OURS:
                 self.model = OURS[lib].KDAMoEForCausalLM(ours_config(row, s, OURS[lib]))
@@ -221,9 +225,12 @@ class Case:
         self.lib = lib
         self.device = device
 
+    def loss(self):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.amp):
+            return self.model(**self.batch).loss
+
     def forward_backward(self):
-        loss = self.model(**self.batch).loss
-        loss.backward()
+        self.loss().backward()
 
     def update(self):
         self.optimizer.step()
@@ -323,7 +330,7 @@ def memory_breakdown(case: Case) -> dict:
     torch.cuda.reset_peak_memory_stats()
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = case.model(**case.batch).loss
+            loss = case.loss()
     finally:
         for h in handles:
             h.remove()
@@ -355,7 +362,7 @@ def run_case(row: Row, lib: str, args, s: dict, device, dtype, fla_models) -> di
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    case = Case(row, lib, s, device, dtype, fla_models)
+    case = Case(row, lib, s, device, dtype, fla_models, amp=args.precision == "amp")
     steps, warmup = (args.long_steps, args.long_warmup) if row.checkpointing else (args.steps, args.warmup)
     for _ in range(warmup):
         case.step()
@@ -501,6 +508,8 @@ def parse_args():
                    help="comma-separated rows: write a torch.profiler table of one step of each per library")
     p.add_argument("--memory", metavar="ROWS", default="",
                    help="comma-separated rows: also break one step's memory down (CUDA; `memory_breakdown`)")
+    p.add_argument("--precision", choices=("bf16", "amp"), default="bf16",
+                   help="bf16: bf16 weights, no autocast; amp: fp32 weights under bf16 autocast (kdamoe-train's numerics)")
     p.add_argument("--tiny", action="store_true", help="a few-layer tiny config on whatever device is present")
     p.add_argument("--kda-states-limit-gib", type=float, default=None,
                    help="ours: keep a KDA call's per-chunk states for the backward up to this many GiB (the model's "
@@ -536,13 +545,14 @@ def main() -> None:
 
         kda_chunk_fwd.STATES_LIMIT_BYTES = int(args.kda_states_limit_gib * GIB)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = torch.bfloat16 if device.type == "cuda" and args.precision == "bf16" else torch.float32
     fla_models, fla_note = import_fla(args.libs)
     if not args.libs:
         raise SystemExit("no library left to run")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     s = sizes(args.tiny)
     report = {"environment": environment(device, fla_note), "dtype": str(dtype).removeprefix("torch."),
+              "precision": args.precision,
               "tiny": args.tiny, "steps": args.steps, "warmup": args.warmup, "long_steps": args.long_steps,
               "long_warmup": args.long_warmup, "peak_tflops": args.peak_tflops,
               "kda_states_limit_gib": args.kda_states_limit_gib, "rows": []}
