@@ -12,6 +12,7 @@ import kdamoe
 from kdamoe import evaluate as ev
 from conftest import DECODE_TOKENS, PASSKEY_DEPTHS, PASSKEY_LENGTHS, SPEED_LENGTHS, TRAIN_LEN, VAL_ROWS
 from kdamoe.data import load_corpus, validation_rows
+from kdamoe.errors import UsageError
 
 @pytest.fixture(scope="package")
 def val_rows(loaded):
@@ -191,6 +192,30 @@ def test_a_model_with_non_finite_loss_is_an_error_not_a_report(model_dir, tmp_pa
     last = capsys.readouterr().err.strip().splitlines()[-1]  # after the loading messages
     assert last.startswith("kdamoe-eval: error: ") and "not finite in float32 on cpu" in last
     assert not (tmp_path / "eval" / "eval.json").exists()
+
+
+def test_precision_choices():
+    """auto: kdamoe-train's numerics on CUDA (fp32 weights under bf16 autocast), fp32 on the CPU; a bad name is a
+    usage error naming the choices."""
+    assert ev._precision(ev.EvalSettings(device="cuda")) == (torch.device("cuda"), torch.float32, True)
+    assert ev._precision(ev.EvalSettings(device="cpu")) == (torch.device("cpu"), torch.float32, False)
+    assert ev._precision(ev.EvalSettings(device="cpu", dtype="autocast")) == (torch.device("cpu"), torch.float32, True)
+    assert ev._precision(ev.EvalSettings(device="cpu", dtype="bfloat16"))[1:] == (torch.bfloat16, False)
+    with pytest.raises(UsageError, match="'autocast'"):
+        ev._precision(ev.EvalSettings(device="cpu", dtype="fp8"))
+
+
+def test_autocast_evaluation_runs_under_bf16_autocast(model_dir, report, tmp_path):
+    """--dtype autocast: the report says so, and its held-out loss is the fp32 one to bf16 accuracy, not bit for bit
+    (the matmuls ran in bf16)."""
+    settings = ev.EvalSettings(device="cpu", dtype="autocast", position_rows=1, position_bins=4,
+                               passkey_lengths=[PASSKEY_LENGTHS[0]], passkey_depths=[0.5], passkey_trials=1,
+                               speed_lengths=[SPEED_LENGTHS[0]], decode_tokens=2)
+    out = ev.evaluate(model_dir, tmp_path / "eval", settings, progress=False, plots=False)
+    assert out["environment"]["dtype"] == out["speed"]["dtype"] == "float32 weights, bfloat16 autocast"
+    assert report["environment"]["dtype"] == "float32"
+    loss, ref = out["perplexity"]["loss"], report["perplexity"]["loss"]
+    assert loss != ref and loss == pytest.approx(ref, rel=2e-2)
 
 
 def test_next_token_losses_in_chunks_equal_the_full_logits(loaded):

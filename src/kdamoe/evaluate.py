@@ -460,8 +460,8 @@ def speed(model, lengths: list[int], decode_tokens: int, device, bar) -> dict:
         })
         del out, cache  # before the next length's prefill: one cache at a time
         bar.update(1)
-    return {"device": str(device), "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-            "batch_size": 1, "decode_tokens": decode_tokens, "results": results}
+    precision = _precision_name(next(model.parameters()).dtype, torch.is_autocast_enabled(device.type))
+    return {"device": str(device), "dtype": precision, "batch_size": 1, "decode_tokens": decode_tokens, "results": results}
 
 
 # --------------------------------------------------------------------------------------------- plots
@@ -596,17 +596,28 @@ def _resolve(settings: EvalSettings, info: dict) -> EvalSettings:
     return s
 
 
-def _device_and_dtype(settings: EvalSettings) -> tuple[torch.device, torch.dtype]:
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _precision(settings: EvalSettings) -> tuple[torch.device, torch.dtype, bool]:
+    """`(device, weight dtype, bf16 autocast)`. "autocast" (what "auto" means on CUDA): fp32 weights under bf16
+    autocast, the numerics `kdamoe-train` trains in on a GPU; "auto" on the CPU: fp32."""
     name = settings.device
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if settings.dtype == "auto":
-        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
-    if settings.dtype not in dtypes:
-        raise UsageError(f"--dtype must be 'auto' or one of {sorted(dtypes)}, got {settings.dtype!r}")
-    return device, dtypes[settings.dtype]
+    choice = settings.dtype
+    if choice == "auto":
+        choice = "autocast" if device.type == "cuda" else "float32"
+    if choice == "autocast":
+        return device, torch.float32, True
+    if choice not in DTYPES:
+        raise UsageError(f"--dtype must be 'auto', 'autocast' or one of {sorted(DTYPES)}, got {settings.dtype!r}")
+    return device, DTYPES[choice], False
+
+
+def _precision_name(dtype: torch.dtype, autocast: bool) -> str:
+    return "float32 weights, bfloat16 autocast" if autocast else str(dtype).removeprefix("torch.")
 
 
 def evaluate(path: str | Path, output_dir: str | Path, settings: EvalSettings | None = None,
@@ -623,7 +634,7 @@ def evaluate(path: str | Path, output_dir: str | Path, settings: EvalSettings | 
     info_file = path / "training_info.json"
     info = json.loads(info_file.read_text()) if info_file.is_file() else {}
     s = _resolve(settings or EvalSettings(), info)
-    device, dtype = _device_and_dtype(s)
+    device, dtype, autocast = _precision(s)
     torch.manual_seed(s.seed)
     started = time.perf_counter()
 
@@ -638,14 +649,15 @@ def evaluate(path: str | Path, output_dir: str | Path, settings: EvalSettings | 
     total = (n_batches + long.shape[0] + len(s.passkey_lengths) * len(s.passkey_depths) * s.passkey_trials
              + len(s.speed_lengths))
     resources = {}
-    with tqdm(total=total, desc="kdamoe-eval", disable=not progress, dynamic_ncols=True) as bar:
+    with (tqdm(total=total, desc="kdamoe-eval", disable=not progress, dynamic_ncols=True) as bar,
+          torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast)):
         bar.set_postfix_str("held-out loss")
         with Resources(device) as used:
             report = heldout_metrics(model, tokenizer, val, s.batch_size, device, bar)
         resources["heldout"] = used.as_dict()
         if not math.isfinite(report["perplexity"]["loss"]):
-            raise UsageError(f"the model's held-out loss is not finite in {str(dtype).removeprefix('torch.')} on "
-                               f"{device.type}: no metric of this run would mean anything; try --dtype float32")
+            raise UsageError(f"the model's held-out loss is not finite in {_precision_name(dtype, autocast)} on "
+                             f"{device.type}: no metric of this run would mean anything; try --dtype float32")
         bar.set_postfix_str("loss by position")
         with Resources(device) as used:
             report["length_extrapolation"] = length_extrapolation(model, long, from_docs, train_length,
@@ -667,7 +679,7 @@ def evaluate(path: str | Path, output_dir: str | Path, settings: EvalSettings | 
     report["model"] = {"path": str(path.resolve()), "parameters": sum(p.numel() for p in model.parameters()),
                        "train_length": train_length, "trained_val_loss": info.get("val_loss")}
     report["settings"] = asdict(s)
-    report["environment"] = {"device": str(device), "dtype": str(dtype).replace("torch.", ""),
+    report["environment"] = {"device": str(device), "dtype": _precision_name(dtype, autocast),
                              "torch": torch.__version__, "python": sys.version.split()[0],
                              "transformers": __import__("transformers").__version__}
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -711,7 +723,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=int,
                    help="the longest context any part uses: the defaults are capped at it, longer lengths refused")
     p.add_argument("--device", default=d.device, help="auto: cuda when available, else cpu")
-    p.add_argument("--dtype", default=d.dtype, help="auto: bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--dtype", default=d.dtype,
+                   help="auto (autocast on cuda, float32 on cpu), autocast (float32 weights under bfloat16 autocast: "
+                        "kdamoe-train's numerics on a GPU), float32, bfloat16 or float16")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-plots", action="store_true", help="write eval.json only (no matplotlib needed)")
