@@ -87,7 +87,7 @@ def test_layer_decode_step_equals_its_general_path():
         fused = modeling_kdamoe.KDAMoECache(config)
         layer(torch.randn(2, 7, config.hidden_size), cache=fused)
         general = copy.deepcopy(fused)
-        general.layers[0].record_past = True
+        general.layers[0].activate_past_recording()
         for _ in range(3):
             x = torch.randn(2, 1, config.hidden_size)
             assert torch.equal(layer(x, cache=fused), layer(x, cache=general))
