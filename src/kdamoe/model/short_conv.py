@@ -166,6 +166,21 @@ if triton is not None:
                  mask=m_t[:, None] & m_d[None, :])
 
     @triton.jit
+    def _dw_taps(dw_acc, dp, x, ctx, t, bos, cbase, m_x, d, taps, SX, s_cj, s_cc, W: tl.constexpr,
+                 HAS_CTX: tl.constexpr):
+        """``dw_acc [BD, WP]`` plus the tile's ``Σ_t dp[t] · x[t − (W−1−tap)]`` per tap: the tile's inputs read again
+        (from L1 / L2), taps before bos from ctx (HAS_CTX, ``_conv_pre``'s addressing) or 0."""
+        for tap in tl.static_range(W):
+            src = t - (W - 1 - tap)
+            inside = src >= bos
+            xv = tl.load(x + src[:, None] * SX + d[None, :], mask=m_x & inside[:, None], other=0.0).to(tl.float32)
+            if HAS_CTX:
+                xv += tl.load(ctx + (cbase + src * s_cj)[:, None] + d[None, :] * s_cc, mask=m_x & ~inside[:, None],
+                              other=0.0).to(tl.float32)
+            dw_acc += tl.where(taps[None, :] == tap, tl.sum(dp * xv, axis=0)[:, None], 0.0)
+        return dw_acc
+
+    @triton.jit
     def _conv_dpre_kernel(x, w, ctx, cu, dy, dpre, dw, L, T, C, SX, n_docs, n_steps, n_blocks, s_cb, s_cj, s_cc,
                           W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                           VARLEN: tl.constexpr, HAS_CTX: tl.constexpr):
@@ -188,14 +203,7 @@ if triton is not None:
             g = tl.load(dy + t[:, None] * C + d[None, :], mask=m_x, other=0.0).to(tl.float32)
             dp = g * sig * (1.0 + pre * (1.0 - sig))
             tl.store(dpre + t[:, None] * C + d[None, :], dp.to(dpre.dtype.element_ty), mask=m_x)
-            for tap in tl.static_range(W):  # the tile's inputs again (from L1 / L2): tap reads x[t − (W−1−tap)]
-                src = t - (W - 1 - tap)
-                inside = src >= bos
-                xv = tl.load(x + src[:, None] * SX + d[None, :], mask=m_x & inside[:, None], other=0.0).to(tl.float32)
-                if HAS_CTX:
-                    xv += tl.load(ctx + (cbase + src * s_cj)[:, None] + d[None, :] * s_cc,
-                                  mask=m_x & ~inside[:, None], other=0.0).to(tl.float32)
-                dw_acc += tl.where(taps[None, :] == tap, tl.sum(dp * xv, axis=0)[:, None], 0.0)
+            dw_acc = _dw_taps(dw_acc, dp, x, ctx, t, bos, cbase, m_x, d, taps, SX, s_cj, s_cc, W, HAS_CTX)
         tl.store(dw + pid * W * C + taps[None, :] * C + d[:, None], dw_acc, mask=(taps < W)[None, :] & m_d[:, None])
 
     @triton.jit
@@ -255,11 +263,7 @@ if triton is not None:
                 g = (g - n * tl.sum(g * n, axis=1)[:, None]) * r
             dp = g * sig * (1.0 + pre * (1.0 - sig))
             tl.store(dpre + t[:, None] * C + d[None, :], dp.to(dpre.dtype.element_ty), mask=m_x)
-            for tap in tl.static_range(W):
-                src = t - (W - 1 - tap)
-                xv = tl.load(x + src[:, None] * SX + d[None, :], mask=m_x & (src >= bos)[:, None],
-                             other=0.0).to(tl.float32)
-                dw_acc += tl.where(taps[None, :] == tap, tl.sum(dp * xv, axis=0)[:, None], 0.0)
+            dw_acc = _dw_taps(dw_acc, dp, x, x, t, bos, bos, m_x, d, taps, SX, 0, 0, W, False)
         tl.store(dw + pid * W * C + taps[None, :] * C + d[:, None], dw_acc, mask=(taps < W)[None, :] & m_d[:, None])
 
     @triton.jit
