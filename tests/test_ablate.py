@@ -75,6 +75,44 @@ def test_finished_runs_are_reused(ablation):
     assert again["factors"] == json.loads(json.dumps(results["factors"]))
 
 
+def test_merge_reports_partial_ablations_as_one(ablation, tmp_path):
+    """Two ablations of one seed each (as separate jobs would run them), merged: the runs of both seeds and the same
+    summaries as the ablation that ran both seeds at once (training is deterministic on the CPU; tokens/s is not)."""
+    out, argv, results = ablation
+    flags = argv[argv.index("--factors"):]
+    parts = []
+    for seed in ("0", "1"):
+        part_argv = ["--output-dir", str(tmp_path / f"seed{seed}"), *flags]
+        part_argv[part_argv.index("--seeds") + 1] = seed
+        ablate(part_argv)
+        parts.append(str(tmp_path / f"seed{seed}"))
+    merged = ablate(["--merge", ",".join(parts), "--output-dir", str(tmp_path / "merged")])
+    assert merged["seeds"] == [0, 1] and merged["factors"].keys() == results["factors"].keys()
+    for value, stats in merged["factors"]["kda_gate"]["summary"].items():
+        ref = results["factors"]["kda_gate"]["summary"][value]
+        assert stats["val_loss"]["n"] == 2
+        assert stats["val_loss"]["mean"] == pytest.approx(ref["val_loss"]["mean"], rel=1e-6)
+        assert stats["val_loss"]["std"] == pytest.approx(ref["val_loss"]["std"], rel=1e-4, abs=1e-9)
+    assert "Bounded gate: val loss" in (tmp_path / "merged" / "report.md").read_text()
+    # a run in both folders is taken from the first, once
+    again = ablate(["--merge", f"{parts[0]},{parts[0]}", "--output-dir", str(tmp_path / "twice")])
+    assert again["seeds"] == [0] and again["factors"]["kda_gate"]["summary"]["bounded"]["val_loss"]["n"] == 1
+
+
+def test_merge_refuses_unmatched_runs_and_other_flags(ablation, tmp_path, capsys):
+    out, _, results = ablation
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "results.json").write_text(json.dumps({**results, "train_argv": ["--lr", "0.1"]}))
+    for args, fragment in ((["--merge", f"{out},{other}"], "ran other kdamoe-train flags"),
+                           (["--merge", str(tmp_path / "missing")], "cannot read"),
+                           (["--merge", str(out), "--seeds", "3"], "takes only --output-dir, got --seeds")):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*args, "--output-dir", str(tmp_path / "merged")])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert exit_info.value.code == 2 and len(lines) == 1 and fragment in lines[0], lines
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["--factors", "kda_gate,depth"], "unknown factor depth"),
     (["--seeds", "0,x"], "--seeds must be comma-separated integers"),

@@ -2,6 +2,7 @@
 
     kdamoe-ablate --output-dir runs/ablate --max-steps 80                   # tiny preset on the CPU, every factor
     kdamoe-ablate --factors router_balancing --seeds 0,1 --output-dir runs/qb --config configs/ablate_h200.json
+    kdamoe-ablate --merge runs/qb-seed0,runs/qb-seed1 --output-dir runs/qb       # one report from partial ones
 
 Every run is `kdamoe.train.train` with the same flags (any flag ablate does not know passes through to
 kdamoe-train: `--max-steps`, `--stages`, `--lr`, `--dataset`, ...), the same seed per replicate (so the same data
@@ -26,6 +27,9 @@ arguments is reused, so an interrupted ablation continues where it stopped (`--r
 Outputs in `--output-dir`: `report.md` (a table and a verdict per factor), `results.json` (every number of the
 report and the per-run metrics it comes from), PNG plots when matplotlib is installed (`loss_<factor>.png`,
 `max_vio.png`, `loss_by_position.png`) and `runs/<name>/seed<k>/` (the kdamoe-train folders, `eval/` inside).
+`--merge DIR,DIR,...` trains nothing: it writes the report of the runs in those folders' `results.json` (ablations
+of other factors or seeds with the same kdamoe-train flags and config, e.g. run in separate jobs or on separate
+machines, each bringing back its results.json); a run (name and seed) in several of them is taken from the first.
 User errors are one line on stderr and exit status 2.
 """
 
@@ -35,6 +39,7 @@ import argparse
 import json
 import math
 import statistics
+import sys
 from pathlib import Path
 
 from .errors import UsageError, run_cli
@@ -82,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", default="0,1", help="comma-separated seeds, one matched replicate each (default 0,1)")
     p.add_argument("--config", help="base kdamoe-train JSON config (the factor's field is changed in its `model`)")
     p.add_argument("--retrain", action="store_true", help="train again even where a finished run exists")
+    p.add_argument("--merge", metavar="DIRS",
+                   help="comma-separated folders of earlier ablations: report their runs together, train nothing")
     return p
 
 
@@ -104,6 +111,15 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         raise UsageError(f"--seeds must name at least one seed, each once, got {args.seeds}")
     if args.config and not Path(args.config).is_file():
         raise UsageError(f"--config {args.config}: no such file")
+    if args.merge is not None:
+        given = sys.argv[1:] if argv is None else argv
+        passed = [a for a in given if a.split("=")[0] not in ("--merge", "--output-dir")
+                  and a not in (args.merge, args.output_dir)]
+        if passed:
+            raise UsageError(f"--merge reports earlier runs and takes only --output-dir, got {passed[0]}")
+        args.merge = [Path(d.strip()) for d in args.merge.split(",") if d.strip()]
+        if not args.merge:
+            raise UsageError("--merge needs at least one folder")
     return args, train_argv
 
 
@@ -423,6 +439,8 @@ def ablate(argv: list[str] | None = None) -> dict:
     """Run `kdamoe-ablate` with `argv`; returns the results (also written to `results.json`)."""
     args, train_argv = parse_args(argv)
     out = Path(args.output_dir)
+    if args.merge is not None:
+        return merge(args.merge, out)
     try:
         base_config = json.loads(Path(args.config).read_text()) if args.config else {}
     except ValueError as error:
@@ -445,12 +463,21 @@ def ablate(argv: list[str] | None = None) -> dict:
                 tokenizer = ["--tokenizer", str(folder / "tokenizer")]
             report = evaluate_run(folder) if name in evaluated else None
             metrics.setdefault(name, {})[seed] = run_metrics(folder, report)
-    results = {"seeds": args.seeds, "train_argv": train_argv, "config": args.config, "factors": {}}
-    for factor in args.factors:
-        part = {"runs": {value: name for value, (name, _) in names[factor].items()}}
-        part["summary"] = summarise(factor, {v: metrics[n] for v, n in part["runs"].items()})
+    factor_runs = {factor: {value: name for value, (name, _) in names[factor].items()} for factor in args.factors}
+    return write_results(out, args.seeds, train_argv, args.config, factor_runs, metrics)
+
+
+def write_results(out: Path, seeds: list[int], train_argv: list[str], config: str | None,
+                  factor_runs: dict[str, dict[str, str]], metrics: dict[str, dict[int, dict]]) -> dict:
+    """Summaries, verdicts, plots, `results.json` and `report.md` in `out` from the per-run metrics; returns the
+    results. `factor_runs`: factor -> value -> run name; `metrics`: run name -> seed -> `run_metrics`."""
+    results = {"seeds": seeds, "train_argv": train_argv, "config": config, "factors": {}}
+    for factor, runs in factor_runs.items():
+        part = {"runs": runs}
+        part["summary"] = summarise(factor, {v: metrics[n] for v, n in runs.items()})
         part["verdict"] = verdict(factor, part["summary"])
         results["factors"][factor] = part
+    out.mkdir(parents=True, exist_ok=True)
     try:
         results["plots"], results["plots_note"] = write_plots(out, results, metrics), None
     except ImportError:
@@ -462,12 +489,40 @@ def ablate(argv: list[str] | None = None) -> dict:
     return results
 
 
+def merge(folders: list[Path], out: Path) -> dict:
+    """One report from the `results.json` of earlier ablations (same kdamoe-train flags and config): their factors
+    and runs together; a run (name, seed) found in several is taken from the first folder that has it."""
+    parts = []
+    for folder in folders:
+        path = folder / "results.json"
+        try:
+            parts.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as error:
+            raise UsageError(f"--merge: cannot read {path} ({error})") from None
+    first = parts[0]
+    for folder, part in zip(folders[1:], parts[1:]):
+        if (part["train_argv"], part["config"]) != (first["train_argv"], first["config"]):
+            raise UsageError(f"--merge: {folder} ran other kdamoe-train flags or another config than {folders[0]} "
+                             f"({part['train_argv']} / {part['config']} against {first['train_argv']} / "
+                             f"{first['config']}): its runs are not matched")
+    metrics: dict[str, dict[int, dict]] = {}
+    factor_runs: dict[str, dict[str, str]] = {}
+    for part in parts:
+        for name, per_seed in part["runs"].items():
+            for seed, m in per_seed.items():
+                metrics.setdefault(name, {}).setdefault(int(seed), m)
+        for factor, entry in part["factors"].items():
+            factor_runs.setdefault(factor, {}).update(entry["runs"])
+    seeds = sorted({seed for per_seed in metrics.values() for seed in per_seed})
+    return write_results(out, seeds, first["train_argv"], first["config"], factor_runs, metrics)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of `kdamoe-ablate` and `python -m kdamoe.ablate`."""
     run_cli("kdamoe-ablate", ablate, argv)
 
 
-__all__ = ["FACTORS", "ablate", "main", "mean_spread", "position_metrics", "run_metrics", "verdict"]
+__all__ = ["FACTORS", "ablate", "main", "mean_spread", "merge", "position_metrics", "run_metrics", "verdict"]
 
 if __name__ == "__main__":
     main()
