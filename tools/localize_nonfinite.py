@@ -122,10 +122,12 @@ def step_through_kernels(mixer, inputs, cu_seqlens):
     gate = kda_chunk.gate_args(mode, mixer.A_log, mixer.dt_bias, lower, H, K, dev)
     tables = kda_launch.chunk_tables(B, T, cu_seqlens, dev)
     TT, NC, scale = flat[0].shape[0], tables.num_chunks, K ** -0.5
+    # the dtypes `kda_chunk_fwd.chunk_fwd` gives its buffers in the output's forward
     low = dict(device=dev, dtype=flat[0].dtype if flat[0].dtype in (torch.bfloat16, torch.float16) else torch.float32)
+    tables16 = dict(device=dev, dtype=torch.bfloat16 if flat[0].dtype == torch.bfloat16 else torch.float32)
     wide = dict(device=dev, dtype=torch.float32)
     buf = kda_chunk_fwd.ChunkBuffers(
-        aqk=torch.zeros(TT, H, 64, **low), tinv=torch.zeros(TT, H, 64, **low), w=torch.zeros(TT, H, K, **low),
+        aqk=torch.zeros(TT, H, 64, **tables16), tinv=torch.zeros(TT, H, 64, **tables16), w=torch.zeros(TT, H, K, **low),
         kd=torch.zeros(TT, H, K, **low), u=torch.zeros(TT, H, V, **low), qg=None, dl=torch.zeros(NC, H, K, **wide),
         gam=torch.zeros(TT, H, K, **wide))
     safe = kda_chunk._safe_path(mixer.gate, mixer.lower_bound)
