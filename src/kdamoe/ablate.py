@@ -112,11 +112,10 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     if args.config and not Path(args.config).is_file():
         raise UsageError(f"--config {args.config}: no such file")
     if args.merge is not None:
-        given = sys.argv[1:] if argv is None else argv
-        passed = [a for a in given if a.split("=")[0] not in ("--merge", "--output-dir")
-                  and a not in (args.merge, args.output_dir)]
-        if passed:
-            raise UsageError(f"--merge reports earlier runs and takes only --output-dir, got {passed[0]}")
+        flags = [a.split("=")[0] for a in (sys.argv[1:] if argv is None else argv) if a.startswith("-")]
+        other = [f for f in flags if f not in ("--merge", "--output-dir")]
+        if other:
+            raise UsageError(f"--merge reports earlier runs and takes only --output-dir, got {other[0]}")
         args.merge = [Path(d.strip()) for d in args.merge.split(",") if d.strip()]
         if not args.merge:
             raise UsageError("--merge needs at least one folder")

@@ -345,10 +345,9 @@ def conv_silu_bwd(x, weight, cu_seqlens, context, dy):
     batch, seq_len, channels = x.shape
     width = weight.shape[1]
     dy = dy.contiguous()
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dpre = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # the pre-activation's gradient, in x's dtype
     n_tokens = batch * seq_len
-    cfg, cfg_dx = LAUNCH["dpre"], LAUNCH["dx"]
+    cfg = LAUNCH["dpre"]
     n_blocks, n_cblocks = triton.cdiv(n_tokens, cfg["BT"]), triton.cdiv(channels, cfg["BD"])
     programs = persistent_programs(x.device, n_blocks, max(n_cblocks, 1), per_sm=cfg["programs_per_sm"])
     dw = torch.zeros(programs, width, channels, dtype=torch.float32, device=x.device)
@@ -359,10 +358,19 @@ def conv_silu_bwd(x, weight, cu_seqlens, context, dy):
             x.stride(1), n_docs, n_steps, n_blocks, *(context.stride() if context is not None else (0, 0, 0)),
             W=width, WP=triton.next_power_of_2(width), BT=cfg["BT"], BD=cfg["BD"],
             VARLEN=cu_seqlens is not None, HAS_CTX=context is not None, num_warps=cfg["num_warps"])
+    return _grads_from_dpre(weight, cu, n_docs, n_steps, seq_len, dpre, dw, cu_seqlens is not None)
+
+
+def _grads_from_dpre(weight, cu, n_docs, n_steps, seq_len, dpre, dw, varlen):
+    """``(dx, dweight)`` after a ``dpre`` kernel: dx from ``dpre [B, T, C]`` by ``_conv_dx_kernel``, dweight the sum of
+    the programs' partial sums ``dw [P, W, C]``."""
+    dx = torch.empty_like(dpre)
+    n_tokens, channels = dpre.shape[0] * dpre.shape[1], dpre.shape[2]
+    cfg = LAUNCH["dx"]
     if n_tokens and channels:
-        _conv_dx_kernel[(triton.cdiv(n_tokens, cfg_dx["BT"]), triton.cdiv(channels, cfg_dx["BD"]))](
-            weight, cu, dpre, dx, n_tokens, seq_len, channels, n_docs, n_steps, W=width, BT=cfg_dx["BT"],
-            BD=cfg_dx["BD"], VARLEN=cu_seqlens is not None, num_warps=cfg_dx["num_warps"])
+        _conv_dx_kernel[(triton.cdiv(n_tokens, cfg["BT"]), triton.cdiv(channels, cfg["BD"]))](
+            weight, cu, dpre, dx, n_tokens, seq_len, channels, n_docs, n_steps, W=weight.shape[1], BT=cfg["BT"],
+            BD=cfg["BD"], VARLEN=varlen, num_warps=cfg["num_warps"])
     return dx, dw.sum(0).t().to(weight.dtype)
 
 
@@ -396,9 +404,8 @@ def conv_qkv_bwd(x, weight, cu_seqlens, num_heads, eps, dq, dk, dv):
     width, K = weight.shape[1], channels // (3 * num_heads)
     n_tokens = batch * seq_len
     dq, dk, dv = (t.contiguous() for t in (dq, dk, dv))
-    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dpre = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    cfg, cfg_dx = LAUNCH["qkv_dpre"], LAUNCH["dx"]
+    cfg = LAUNCH["qkv_dpre"]
     BT, BD = _head_launch(cfg, K)
     n_blocks = triton.cdiv(n_tokens, BT)
     programs = persistent_programs(x.device, n_blocks, 3 * num_heads, per_sm=cfg["programs_per_sm"])
@@ -409,11 +416,7 @@ def conv_qkv_bwd(x, weight, cu_seqlens, num_heads, eps, dq, dk, dv):
             x, weight, cu, dq, dk, dv, dpre, dw, n_tokens, seq_len, channels, x.stride(1), num_heads, K, n_docs,
             n_steps, n_blocks, eps, W=width, WP=triton.next_power_of_2(width), BT=BT, BD=BD,
             VARLEN=cu_seqlens is not None, num_warps=cfg["num_warps"])
-    if n_tokens and channels:
-        _conv_dx_kernel[(triton.cdiv(n_tokens, cfg_dx["BT"]), triton.cdiv(channels, cfg_dx["BD"]))](
-            weight, cu, dpre, dx, n_tokens, seq_len, channels, n_docs, n_steps, W=width, BT=cfg_dx["BT"],
-            BD=cfg_dx["BD"], VARLEN=cu_seqlens is not None, num_warps=cfg_dx["num_warps"])
-    return dx, dw.sum(0).t().to(weight.dtype)
+    return _grads_from_dpre(weight, cu, n_docs, n_steps, seq_len, dpre, dw, cu_seqlens is not None)
 
 
 class _ShortConvSiLUFn(torch.autograd.Function):
