@@ -41,8 +41,6 @@ def small_tiles(monkeypatch):
     monkeypatch.setitem(short_conv.LAUNCH, "dpre", dict(BT=8, BD=16, num_warps=1, programs_per_sm=1))
     monkeypatch.setitem(short_conv.LAUNCH, "dx", dict(BT=8, BD=16, num_warps=1))
     monkeypatch.setitem(short_conv.LAUNCH, "state", dict(BD=16, num_warps=1))
-    monkeypatch.setitem(short_conv.LAUNCH, "qkv_fwd", dict(elems=64, num_warps=1))
-    monkeypatch.setitem(short_conv.LAUNCH, "qkv_dpre", dict(elems=64, num_warps=1, programs_per_sm=1))
 
 
 def leaves(*tensors):
@@ -323,57 +321,6 @@ def test_short_conv_default_tiles_match_float64():
     (x, w), (x64, w64) = leaves(torch.randn(1, sum(lengths), 40), torch.randn(40, W_CONV) * 0.7)
     check(short_conv.short_conv_silu(x, w, cu_seqlens=cu, backend="triton"), conv_silu64(x64, w64, cu.cpu()),
           [x, w], [x64, w64])
-
-
-@kernel_test
-@pytest.mark.parametrize("B,T,lengths", CONV_CASES)
-@pytest.mark.parametrize("H,K", [(2, 16), (3, 12)])
-def test_conv_qkv_kernels_match_float64(small_tiles, B, T, lengths, H, K):
-    """KDA's conv + SiLU + q / k L2 norm in one kernel each way (``conv_qkv_fwd`` / ``conv_qkv_bwd``, a tile per
-    head, head dims a power of 2 or not) against float64 conv -> split -> L2 norm of q and k: the three planes, and
-    the gradients of x (a column slice of a wider projection) and of the weight for random cotangents."""
-    C = 3 * H * K
-    cu = cu_of(lengths) if lengths is not None else None
-    (wide, w), (wide64, w64) = leaves(torch.randn(B, T, C + 3), torch.randn(C, W_CONV) * 0.7)
-    x, x64 = wide[..., 2:C + 2], wide64[..., 2:C + 2]
-    planes = short_conv.conv_qkv_fwd(short_conv._rows(x.detach()), w.detach(), cu, H, EPS)
-    assert planes.shape == (3, B * T, H * K) and planes.is_contiguous()
-    mixed = conv_silu64(x64, w64, None if cu is None else cu.cpu()).reshape(B * T, 3, H, K)
-    ref = torch.stack([l2norm64(mixed[:, 0]), l2norm64(mixed[:, 1]), mixed[:, 2]]).reshape(3, B * T, H * K)
-    assert rel(planes, ref) < TOL
-    cots = torch.randn(3, B * T, H * K, dtype=torch.float64)
-    dx, dw = short_conv.conv_qkv_bwd(short_conv._rows(x.detach()), w.detach(), cu, H, EPS,
-                                     *(c.float().to(DEV) for c in cots))
-    rdx, rdw = torch.autograd.grad(ref, [x64, w64], cots)
-    assert rel(dx, rdx) < TOL and rel(dw, rdw) < TOL
-
-
-SM90_QKV_LAUNCHES = r"""
-from kdamoe.model import short_conv
-
-class Skip:
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: None
-
-kernel = getattr(short_conv, NAME)
-for name in ("_conv_qkv_fwd_kernel", "_conv_qkv_dpre_kernel", "_conv_dx_kernel"):
-    setattr(short_conv, name, Record() if name == NAME else Skip())
-short_conv.persistent_programs = lambda device, *args, **kwargs: 132 * 16
-for dtype in (torch.bfloat16, torch.float32):
-    for H, K, cu in ((8, 128, None), (6, 128, torch.tensor([0, 5, 64], dtype=torch.int32)), (4, 64, None)):
-        x, w = torch.zeros(1, 64, 3 * H * K, dtype=dtype), torch.zeros(3 * H * K, 4)
-        short_conv.conv_qkv_fwd(x, w, cu, H, 1e-6)
-        short_conv.conv_qkv_bwd(x, w, cu, H, 1e-6, *(torch.zeros(64, H * K, dtype=dtype) for _ in range(3)))
-"""
-
-
-@pytest.mark.parametrize("name", ["_conv_qkv_fwd_kernel", "_conv_qkv_dpre_kernel"])
-def test_conv_qkv_kernels_compile_for_sm90(name):
-    """Both KDA conv kernels compile to cubins for an H100/H200 (sm_90) at the default tiles (bf16 and fp32
-    activations, head dims 128 and 64, packed and plain), which the interpreter does not check; no GPU needed."""
-    from triton_interpreter import check_compiles_for_sm90
-
-    check_compiles_for_sm90(f"NAME = {name!r}\n" + SM90_QKV_LAUNCHES, expected=6)
 
 
 @kernel_test

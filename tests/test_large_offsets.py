@@ -137,36 +137,6 @@ def test_gpu_short_conv_one_million_tokens_by_4096_channels(varlen):
     assert torch.equal(state, short_conv.short_conv_state_torch(x.detach()[:, -W:], W))
 
 
-@gpu_only
-def test_gpu_conv_qkv_planes_past_2_31():
-    """KDA's conv + SiLU + q / k L2 norm kernels over 2^20 tokens x 3 x 8 heads x 128 (the planes' and the input's
-    offsets pass 2^31), with a last document starting past 2^31 values: its q, k, v planes and dx against the
-    torch conv -> split -> L2 norm, and dweight (a sum over every token) within bf16 error of the chunked torch
-    reference's."""
-    T, H, K, W, L = 1 << 20, 8, 128, 4, 3000
-    C = 3 * H * K
-    x = randn(1, T, C)
-    weight = randn(C, W, scale=0.5)
-    cu = torch.tensor([0, T - L, T], device=DEV, dtype=torch.int32)
-    planes = short_conv.conv_qkv_fwd(x, weight, cu, H, 1e-6)
-    grads = [randn(T, H * K) for _ in range(3)]
-    dx, dweight = short_conv.conv_qkv_bwd(x, weight, cu, H, 1e-6, *grads)
-    assert (T - L) * C >= PAST and 2 * T * H * K >= PAST
-
-    w_ref = weight.float().requires_grad_()
-    starts = [*range(0, T - L, 1 << 16), T - L]
-    for a, b in zip(starts, [*starts[1:], T]):  # each chunk with the W - 1 tokens before it as its context
-        xs = x[:, a:b].float().requires_grad_()
-        context = None if a in (0, T - L) else x[:, a - W + 1:a]
-        mixed = short_conv.short_conv_silu_torch(xs, w_ref, context=context).view(b - a, 3, H, K)
-        ref = torch.stack([fused_norm.l2norm_torch(mixed[:, 0]), fused_norm.l2norm_torch(mixed[:, 1]), mixed[:, 2]])
-        ref = ref.reshape(3, b - a, H * K)
-        ref.backward(torch.stack([g[a:b] for g in grads]).float())
-    assert rel(planes[:, T - L:], ref) < 1e-2
-    assert rel(dx[:, T - L:], xs.grad) < 1e-2
-    assert rel(dweight, w_ref.grad) < 1e-2
-
-
 # ------------------------------------------------------------------------------------------ depth attention
 @gpu_only
 def test_gpu_depth_attention_rows_past_2_31():

@@ -3,25 +3,27 @@ projection, q / k L2 norm, chunked KDA with the gate in the kernel (imported onl
 
 Composed of the separate ops, the backward keeps the conv input (for the conv's backward) and also the normalised
 q, k and v (for the chunk kernels' backward): two copies of the three projections. This function keeps the conv
-input only and recomputes q, k, v in its backward (bit-identical: the same kernel on the same inputs), three
-``[B, T, H·K]`` tensors fewer a layer for one more conv pass. The conv, SiLU and the q / k L2 norm are one kernel
-each way (``short_conv.conv_qkv_fwd`` / ``conv_qkv_bwd``: a tile is one head), writing q, k, v as contiguous
-planes the chunk kernels read in place: no normalised copies, no copy of v, no concatenation of their gradients.
+input only and recomputes the conv and the L2 norm in its backward (bit-identical: the same kernels on the same
+inputs), three ``[B, T, H·K]`` tensors fewer a layer for one conv and two L2-norm forwards more.
 """
 
 import torch
 
+from .fused_norm import l2norm_bwd, l2norm_fwd
 from .kda_chunk import _safe_path, check_triton_inputs, kda_backward, kda_forward
 from .kda_common import L2NORM_EPS, resolve_gate
-from .short_conv import _check_conv, _on_device, _rows, conv_qkv_bwd, conv_qkv_fwd
+from .short_conv import _check_conv, _on_device, _rows, conv_silu_bwd, conv_silu_fwd
 
 
 def _conv_q_k_v(x, weight, cu_seqlens_device, num_heads, flat):
-    """Normalised q, k and v ``[B, T, H, K]`` (``[1, B·T, H, K]`` when ``flat``), each contiguous."""
-    B, T, C = x.shape
+    """The conv output split into normalised q, k and v ``[B, T, H, K]`` (``[1, B·T, H, K]`` when ``flat``), and the
+    L2 norms' rstd."""
+    mixed = conv_silu_fwd(x, weight, cu_seqlens_device, None)
+    B, T, C = mixed.shape
     shape = (1, B * T) if flat else (B, T)
-    return tuple(p.view(*shape, num_heads, C // (3 * num_heads))
-                 for p in conv_qkv_fwd(x, weight, cu_seqlens_device, num_heads, L2NORM_EPS))
+    q, k, v = (t.view(*shape, num_heads, C // (3 * num_heads)) for t in mixed.split(C // 3, dim=-1))
+    (qn, rq), (kn, rk) = l2norm_fwd(q, L2NORM_EPS), l2norm_fwd(k, L2NORM_EPS)
+    return qn, kn, v.contiguous(), rq, rk
 
 
 class _ConvChunkKDAFn(torch.autograd.Function):
@@ -30,7 +32,7 @@ class _ConvChunkKDAFn(torch.autograd.Function):
                 output_final_state):
         x, weight = _rows(qkv), weight.contiguous()
         flat = cu_seqlens is not None
-        q, k, v = _conv_q_k_v(x, weight, cu_seqlens_device, num_heads, flat)
+        q, k, v, _, _ = _conv_q_k_v(x, weight, cu_seqlens_device, num_heads, flat)
         scale = q.shape[-1] ** -0.5
         o, ht, kc, kept = kda_forward(q, k, v, g, beta, A_log, dt_bias, scale, None, output_final_state, cu_seqlens,
                                       safe, mode, lb, True)
@@ -41,11 +43,12 @@ class _ConvChunkKDAFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         x, weight, cu_seqlens_device, g, beta, A_log, dt_bias, *kept = ctx.saved_tensors
-        q, k, v = _conv_q_k_v(x, weight, cu_seqlens_device, ctx.num_heads, ctx.flat)
+        q, k, v, rq, rk = _conv_q_k_v(x, weight, cu_seqlens_device, ctx.num_heads, ctx.flat)
         dq, dk, dv, dg, db, dA_log, ddt_bias, _ = kda_backward(q, k, v, g, beta, A_log, dt_bias, None, ctx.kc, kept,
                                                                do, dht)
-        del q, k, v
-        dx, dweight = conv_qkv_bwd(x, weight, cu_seqlens_device, ctx.num_heads, L2NORM_EPS, dq, dk, dv)
+        dq, dk = l2norm_bwd(q, rq, dq), l2norm_bwd(k, rk, dk)
+        dmixed = torch.cat([t.reshape(*x.shape[:2], -1) for t in (dq, dk, dv)], dim=-1)  # [B, T, 3·H·K]
+        dx, dweight = conv_silu_bwd(x, weight, cu_seqlens_device, None, dmixed)
         return dx, dweight, dg, db, dA_log, ddt_bias, None, None, None, None, None, None, None
 
 

@@ -24,11 +24,6 @@ and 65535 on axes 1 and 2, which would stop at 4M tokens; axis 1 the channel blo
   kernel recomputing dpre at each of the W shifts (no dpre buffer) runs slower on an H200: the W-fold recompute
   costs more than the buffer's traffic.
 - ``short_conv_state``: one program per (row, channel block) gathers the row's last W inputs.
-- KDA's training path (``conv_qkv_fwd`` / ``conv_qkv_bwd``, for ``kda_conv_chunk``): the same forward and ``dpre``
-  kernels with a tile of one head (BD = the head dim's next power of 2), so that the q / k L2 norm over the head
-  runs in the tile: the forward writes q, k (normalised) and v as three contiguous ``[B·T, H·K]`` planes; the
-  backward takes their three gradients, applies the norm's backward (the norm recomputed from the tile) before
-  SiLU's, and ends in the same ``dx`` kernel. No normalised copy, no copy of v, no concatenated gradient.
 
 Tile sizes (``LAUNCH``) are picks from what the kernels compile to for sm_90 (bf16 x, W = 4: no spills), not from
 timings.
@@ -47,11 +42,6 @@ LAUNCH = {
     "dpre": dict(BT=32, BD=64, num_warps=4, programs_per_sm=16),
     "dx": dict(BT=64, BD=64, num_warps=8),
     "state": dict(BD=128, num_warps=4),
-    # the KDA variants (`conv_qkv_fwd` / `conv_qkv_bwd`): one head a tile, `elems` values a tile (BT = elems / BD);
-    # at head dim 128 (bf16 or fp32 x): forward 76 registers, backward 167, no spills (the backward's [BD, W]
-    # weight-gradient sums stay in registers across its loop; 2048 values a tile take 255 and spill)
-    "qkv_fwd": dict(elems=2048, num_warps=8),
-    "qkv_dpre": dict(elems=1024, num_warps=4, programs_per_sm=16),
 }
 
 
@@ -166,21 +156,6 @@ if triton is not None:
                  mask=m_t[:, None] & m_d[None, :])
 
     @triton.jit
-    def _dw_taps(dw_acc, dp, x, ctx, t, bos, cbase, m_x, d, taps, SX, s_cj, s_cc, W: tl.constexpr,
-                 HAS_CTX: tl.constexpr):
-        """``dw_acc [BD, WP]`` plus the tile's ``Σ_t dp[t] · x[t − (W−1−tap)]`` per tap: the tile's inputs read again
-        (from L1 / L2), taps before bos from ctx (HAS_CTX, ``_conv_pre``'s addressing) or 0."""
-        for tap in tl.static_range(W):
-            src = t - (W - 1 - tap)
-            inside = src >= bos
-            xv = tl.load(x + src[:, None] * SX + d[None, :], mask=m_x & inside[:, None], other=0.0).to(tl.float32)
-            if HAS_CTX:
-                xv += tl.load(ctx + (cbase + src * s_cj)[:, None] + d[None, :] * s_cc, mask=m_x & ~inside[:, None],
-                              other=0.0).to(tl.float32)
-            dw_acc += tl.where(taps[None, :] == tap, tl.sum(dp * xv, axis=0)[:, None], 0.0)
-        return dw_acc
-
-    @triton.jit
     def _conv_dpre_kernel(x, w, ctx, cu, dy, dpre, dw, L, T, C, SX, n_docs, n_steps, n_blocks, s_cb, s_cj, s_cc,
                           W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
                           VARLEN: tl.constexpr, HAS_CTX: tl.constexpr):
@@ -203,67 +178,14 @@ if triton is not None:
             g = tl.load(dy + t[:, None] * C + d[None, :], mask=m_x, other=0.0).to(tl.float32)
             dp = g * sig * (1.0 + pre * (1.0 - sig))
             tl.store(dpre + t[:, None] * C + d[None, :], dp.to(dpre.dtype.element_ty), mask=m_x)
-            dw_acc = _dw_taps(dw_acc, dp, x, ctx, t, bos, cbase, m_x, d, taps, SX, s_cj, s_cc, W, HAS_CTX)
-        tl.store(dw + pid * W * C + taps[None, :] * C + d[:, None], dw_acc, mask=(taps < W)[None, :] & m_d[:, None])
-
-    @triton.jit
-    def _head_tile(cb, H, K, BD: tl.constexpr):
-        """Channel block cb = one of the 3·H heads of q | k | v: (its plane 0 / 1 / 2, its columns in the plane, in
-        the conv's channels, the column mask)."""
-        plane = cb // H
-        c = tl.arange(0, BD)
-        col = (cb - plane * H) * K + c
-        return plane, col, plane * (H * K) + col, c < K
-
-    @triton.jit
-    def _conv_qkv_fwd_kernel(x, w, cu, out, L, T, SX, H, K, n_docs, n_steps, eps, W: tl.constexpr,
-                             BT: tl.constexpr, BD: tl.constexpr, VARLEN: tl.constexpr):
-        """Token block x head cb: ``silu(conv(x))`` of the head's K channels into ``out [3, L, H·K]`` (q | k | v
-        planes, each contiguous), L2-normalised over the head in the q and k planes."""
-        t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
-        plane, col, d, m_c = _head_tile(tl.program_id(1), H, K, BD)
-        m_t = t < L
-        bos, _ = _doc_bounds(t, cu, n_docs, n_steps, T, VARLEN)
-        pre = _conv_pre(x, w, x, t, bos, bos, m_t, d, m_c, SX, 0, 0, W, False)
-        y = pre * tl.sigmoid(pre)
-        if plane < 2:
-            y = y * tl.rsqrt(tl.sum(y * y, axis=1) + eps)[:, None]
-        dst = out + plane.to(tl.int64) * L * (H * K) + t[:, None] * (H * K) + col[None, :]
-        tl.store(dst, y.to(out.dtype.element_ty), mask=m_t[:, None] & m_c[None, :])
-
-    @triton.jit
-    def _conv_qkv_dpre_kernel(x, w, cu, dq, dk, dv, dpre, dw, L, T, C, SX, H, K, n_docs, n_steps, n_blocks, eps,
-                              W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                              VARLEN: tl.constexpr):
-        """``_conv_dpre_kernel`` for head cb of ``_conv_qkv_fwd_kernel``'s output, from the gradients of its planes
-        (dq, dk, dv ``[L, H·K]``): in the q and k planes the L2 norm's backward first, ``r (g − n (g · n))`` with
-        ``n = y r``, ``r = rsqrt(Σ y² + eps)`` recomputed from the tile (a tile holds the whole head)."""
-        pid = tl.program_id(0)
-        plane, col, d, m_d = _head_tile(tl.program_id(1), H, K, BD)
-        if plane == 0:
-            grad = dq
-        elif plane == 1:
-            grad = dk
-        else:
-            grad = dv
-        taps = tl.arange(0, WP)
-        dw_acc = tl.zeros([BD, WP], dtype=tl.float32)
-        for blk in range(pid, n_blocks, tl.num_programs(0)):
-            t = (blk * BT + tl.arange(0, BT)).to(tl.int64)
-            m_t = t < L
-            m_x = m_t[:, None] & m_d[None, :]
-            bos, _ = _doc_bounds(t, cu, n_docs, n_steps, T, VARLEN)
-            pre = _conv_pre(x, w, x, t, bos, bos, m_t, d, m_d, SX, 0, 0, W, False)
-            sig = tl.sigmoid(pre)
-            g = tl.load(grad + t[:, None] * (H * K) + col[None, :], mask=m_x, other=0.0).to(tl.float32)
-            if plane < 2:
-                y = pre * sig
-                r = tl.rsqrt(tl.sum(y * y, axis=1) + eps)[:, None]
-                n = y * r
-                g = (g - n * tl.sum(g * n, axis=1)[:, None]) * r
-            dp = g * sig * (1.0 + pre * (1.0 - sig))
-            tl.store(dpre + t[:, None] * C + d[None, :], dp.to(dpre.dtype.element_ty), mask=m_x)
-            dw_acc = _dw_taps(dw_acc, dp, x, x, t, bos, bos, m_x, d, taps, SX, 0, 0, W, False)
+            for tap in tl.static_range(W):  # the tile's inputs again (from L1 / L2): tap reads x[t − (W−1−tap)]
+                src = t - (W - 1 - tap)
+                inside = src >= bos
+                xv = tl.load(x + src[:, None] * SX + d[None, :], mask=m_x & inside[:, None], other=0.0).to(tl.float32)
+                if HAS_CTX:
+                    xv += tl.load(ctx + (cbase + src * s_cj)[:, None] + d[None, :] * s_cc,
+                                  mask=m_x & ~inside[:, None], other=0.0).to(tl.float32)
+                dw_acc += tl.where(taps[None, :] == tap, tl.sum(dp * xv, axis=0)[:, None], 0.0)
         tl.store(dw + pid * W * C + taps[None, :] * C + d[:, None], dw_acc, mask=(taps < W)[None, :] & m_d[:, None])
 
     @triton.jit
@@ -345,9 +267,10 @@ def conv_silu_bwd(x, weight, cu_seqlens, context, dy):
     batch, seq_len, channels = x.shape
     width = weight.shape[1]
     dy = dy.contiguous()
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dpre = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # the pre-activation's gradient, in x's dtype
     n_tokens = batch * seq_len
-    cfg = LAUNCH["dpre"]
+    cfg, cfg_dx = LAUNCH["dpre"], LAUNCH["dx"]
     n_blocks, n_cblocks = triton.cdiv(n_tokens, cfg["BT"]), triton.cdiv(channels, cfg["BD"])
     programs = persistent_programs(x.device, n_blocks, max(n_cblocks, 1), per_sm=cfg["programs_per_sm"])
     dw = torch.zeros(programs, width, channels, dtype=torch.float32, device=x.device)
@@ -358,65 +281,11 @@ def conv_silu_bwd(x, weight, cu_seqlens, context, dy):
             x.stride(1), n_docs, n_steps, n_blocks, *(context.stride() if context is not None else (0, 0, 0)),
             W=width, WP=triton.next_power_of_2(width), BT=cfg["BT"], BD=cfg["BD"],
             VARLEN=cu_seqlens is not None, HAS_CTX=context is not None, num_warps=cfg["num_warps"])
-    return _grads_from_dpre(weight, cu, n_docs, n_steps, seq_len, dpre, dw, cu_seqlens is not None)
-
-
-def _grads_from_dpre(weight, cu, n_docs, n_steps, seq_len, dpre, dw, varlen):
-    """``(dx, dweight)`` after a ``dpre`` kernel: dx from ``dpre [B, T, C]`` by ``_conv_dx_kernel``, dweight the sum of
-    the programs' partial sums ``dw [P, W, C]``."""
-    dx = torch.empty_like(dpre)
-    n_tokens, channels = dpre.shape[0] * dpre.shape[1], dpre.shape[2]
-    cfg = LAUNCH["dx"]
     if n_tokens and channels:
-        _conv_dx_kernel[(triton.cdiv(n_tokens, cfg["BT"]), triton.cdiv(channels, cfg["BD"]))](
-            weight, cu, dpre, dx, n_tokens, seq_len, channels, n_docs, n_steps, W=weight.shape[1], BT=cfg["BT"],
-            BD=cfg["BD"], VARLEN=varlen, num_warps=cfg["num_warps"])
+        _conv_dx_kernel[(triton.cdiv(n_tokens, cfg_dx["BT"]), triton.cdiv(channels, cfg_dx["BD"]))](
+            weight, cu, dpre, dx, n_tokens, seq_len, channels, n_docs, n_steps, W=width, BT=cfg_dx["BT"],
+            BD=cfg_dx["BD"], VARLEN=cu_seqlens is not None, num_warps=cfg_dx["num_warps"])
     return dx, dw.sum(0).t().to(weight.dtype)
-
-
-def _head_launch(cfg, K):
-    """``(BT, BD)`` of a one-head tile: BD the next power of 2 of the head dim, BT = ``cfg["elems"]`` / BD."""
-    BD = triton.next_power_of_2(K)
-    return max(1, cfg["elems"] // BD), BD
-
-
-def conv_qkv_fwd(x, weight, cu_seqlens, num_heads, eps):
-    """KDA's conv + SiLU and q / k L2 norm in one pass: ``[3, B·T, H·K]`` planes q | k | v (each contiguous: the
-    chunk kernels read them without a copy) from ``x [B, T, 3·H·K]`` (as ``_rows`` reads it); no context."""
-    batch, seq_len, channels = x.shape
-    width, K = weight.shape[1], channels // (3 * num_heads)
-    n_tokens = batch * seq_len
-    out = torch.empty(3, n_tokens, num_heads * K, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    cfg = LAUNCH["qkv_fwd"]
-    BT, BD = _head_launch(cfg, K)
-    cu, n_docs, n_steps = _doc_args(x, cu_seqlens)
-    if n_tokens and channels:
-        _conv_qkv_fwd_kernel[(triton.cdiv(n_tokens, BT), 3 * num_heads)](
-            x, weight, cu, out, n_tokens, seq_len, x.stride(1), num_heads, K, n_docs, n_steps, eps, W=width, BT=BT,
-            BD=BD, VARLEN=cu_seqlens is not None, num_warps=cfg["num_warps"])
-    return out
-
-
-def conv_qkv_bwd(x, weight, cu_seqlens, num_heads, eps, dq, dk, dv):
-    """The backward of ``conv_qkv_fwd``: ``(dx, dweight)`` from the gradients of the q, k, v planes (any tensors of
-    ``B·T·H·K`` contiguous elements)."""
-    batch, seq_len, channels = x.shape
-    width, K = weight.shape[1], channels // (3 * num_heads)
-    n_tokens = batch * seq_len
-    dq, dk, dv = (t.contiguous() for t in (dq, dk, dv))
-    dpre = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    cfg = LAUNCH["qkv_dpre"]
-    BT, BD = _head_launch(cfg, K)
-    n_blocks = triton.cdiv(n_tokens, BT)
-    programs = persistent_programs(x.device, n_blocks, 3 * num_heads, per_sm=cfg["programs_per_sm"])
-    dw = torch.zeros(programs, width, channels, dtype=torch.float32, device=x.device)
-    cu, n_docs, n_steps = _doc_args(x, cu_seqlens)
-    if channels:
-        _conv_qkv_dpre_kernel[(programs, 3 * num_heads)](
-            x, weight, cu, dq, dk, dv, dpre, dw, n_tokens, seq_len, channels, x.stride(1), num_heads, K, n_docs,
-            n_steps, n_blocks, eps, W=width, WP=triton.next_power_of_2(width), BT=BT, BD=BD,
-            VARLEN=cu_seqlens is not None, num_warps=cfg["num_warps"])
-    return _grads_from_dpre(weight, cu, n_docs, n_steps, seq_len, dpre, dw, cu_seqlens is not None)
 
 
 class _ShortConvSiLUFn(torch.autograd.Function):
