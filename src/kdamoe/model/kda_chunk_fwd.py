@@ -97,8 +97,7 @@ def prepare_chunks(x, gate, scale, safe, tables, buf, hs_kept, intra):
                                                       **LAUNCH["gate_cumsum"])
     if intra:
         _intra_kernel[(NC, H)](q, k, buf.gam, beta, buf.aqk, buf.tinv, tables.cstart, tables.cend, scale, H, K,
-                               min(BK, SLICE["intra_k"]), SAFE=safe, TF32=lp(q) and buf.tinv.element_size() == 2,
-                               FTZ=lp(q), **LAUNCH["intra"])
+                               min(BK, SLICE["intra_k"]), SAFE=safe, FTZ=lp(q), **LAUNCH["intra"])
     _wu_kernel[(NC, H)](q, k, v, beta, buf.gam, buf.tinv, buf.w, buf.u, buf.qg if buf.qg is not None else buf.w,
                         buf.kd, buf.dl, hs_kept if hs_kept is not None else buf.dl, tables.cstart, tables.cend, scale,
                         H, K, V, min(BK, SLICE["wu_k"]), min(BVf, SLICE["wu_v"]), STORE_QG=buf.qg is not None,

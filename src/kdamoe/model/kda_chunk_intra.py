@@ -18,41 +18,41 @@ from .kda_kernel_utils import CHUNK, _exp, _put
 
 
 @triton.jit
-def _dot(a, b, TF32: tl.constexpr):
-    """The solve's 16 x 16 dots: on tf32 tensor cores when T is stored in 16 bits (tf32 keeps 3 more mantissa bits
-    than the stored bf16 T), else fp32 FMA."""
-    if TF32:
-        return tl.dot(a, b, input_precision="tf32")
+def _dot(a, b):
+    """The solve's 16 x 16 dots, in full fp32 (FMA, not tf32 tensor cores) for any storage dtype of T: the nilpotent
+    product cancels large terms, so on a trained model's correlated keys tf32 inputs leave T off by ~2 % of its
+    largest entry (fp32: ~1e-6), which the bf16 chunk-state recurrence can amplify until its states overflow. ~0.2
+    MFLOP a chunk and head."""
     return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
-def _inv_unit_lower(lo, TF32: tl.constexpr):
+def _inv_unit_lower(lo):
     """``(I + L)^-1`` of a strictly lower 16 x 16 ``L``: ``(I − L)(I + L²)(I + L⁴)(I + L⁸)``, exact as L^16 = 0."""
     r = tl.arange(0, 16)
     x = tl.where(r[:, None] == r[None, :], 1.0, 0.0) - lo
-    l2 = _dot(lo, lo, TF32)
-    x += _dot(x, l2, TF32)
-    l4 = _dot(l2, l2, TF32)
-    x += _dot(x, l4, TF32)
-    return x + _dot(x, _dot(l4, l4, TF32), TF32)
+    l2 = _dot(lo, lo)
+    x += _dot(x, l2)
+    l4 = _dot(l2, l2)
+    x += _dot(x, l4)
+    return x + _dot(x, _dot(l4, l4))
 
 
 @triton.jit
-def _solve(tinv_ptr, a00, a10, a11, a20, a21, a22, a30, a31, a32, a33, s, e, h, H, TF32: tl.constexpr):
+def _solve(tinv_ptr, a00, a10, a11, a20, a21, a22, a30, a31, a32, a33, s, e, h, H):
     """``T = (I + A_kk)^-1`` of one chunk from the 16 x 16 blocks of its strictly lower ``A_kk`` (times β):
     diagonal blocks by a nilpotent product, then block forward substitution ``T_IJ = −T_II Σ_{J<=M<I} A_IM T_MJ``
-    (``_dot``: tf32 or fp32 FMA). Every block of T is written."""
-    d0 = _inv_unit_lower(a00, TF32)
-    d1 = _inv_unit_lower(a11, TF32)
-    d2 = _inv_unit_lower(a22, TF32)
-    d3 = _inv_unit_lower(a33, TF32)
-    t10 = -_dot(d1, _dot(a10, d0, TF32), TF32)
-    t21 = -_dot(d2, _dot(a21, d1, TF32), TF32)
-    t32 = -_dot(d3, _dot(a32, d2, TF32), TF32)
-    t20 = -_dot(d2, _dot(a20, d0, TF32) + _dot(a21, t10, TF32), TF32)
-    t31 = -_dot(d3, _dot(a31, d1, TF32) + _dot(a32, t21, TF32), TF32)
-    t30 = -_dot(d3, _dot(a30, d0, TF32) + _dot(a31, t10, TF32) + _dot(a32, t20, TF32), TF32)
+    (``_dot``: fp32 FMA). Every block of T is written."""
+    d0 = _inv_unit_lower(a00)
+    d1 = _inv_unit_lower(a11)
+    d2 = _inv_unit_lower(a22)
+    d3 = _inv_unit_lower(a33)
+    t10 = -_dot(d1, _dot(a10, d0))
+    t21 = -_dot(d2, _dot(a21, d1))
+    t32 = -_dot(d3, _dot(a32, d2))
+    t20 = -_dot(d2, _dot(a20, d0) + _dot(a21, t10))
+    t31 = -_dot(d3, _dot(a31, d1) + _dot(a32, t21))
+    t30 = -_dot(d3, _dot(a30, d0) + _dot(a31, t10) + _dot(a32, t20))
     zero = tl.zeros((16, 16), dtype=tl.float32)
     _put(tinv_ptr, d0, s, e, h, H, 0, 0)
     _put(tinv_ptr, zero, s, e, h, H, 0, 1)
@@ -150,7 +150,7 @@ def _intra_beta(b_ptr, n, H, I: tl.constexpr):
 
 @triton.jit
 def _intra_kernel(q_ptr, k_ptr, gam_ptr, b_ptr, aqk_ptr, tinv_ptr, cstart_ptr, cend_ptr, scale, H,
-                  K: tl.constexpr, BK: tl.constexpr, SAFE: tl.constexpr, TF32: tl.constexpr, FTZ: tl.constexpr):
+                  K: tl.constexpr, BK: tl.constexpr, SAFE: tl.constexpr, FTZ: tl.constexpr):
     """``A_qk`` (times scale, lower; its upper blocks 0) and ``T = (I + A_kk)^-1`` (A_kk times β, strictly lower) of
     one chunk by 16 x 16 blocks (I, J <= I): ``(x_i e^{Γ_i − Γ_a}) · (k_j e^{Γ_a − Γ_j})`` with a the first row of
     row block I, summed over head-dim slices of BK in 20 accumulators. In each slice every row block is loaded and
@@ -213,7 +213,7 @@ def _intra_kernel(q_ptr, k_ptr, gam_ptr, b_ptr, aqk_ptr, tinv_ptr, cstart_ptr, c
                       _intra_beta(b_ptr, n, H, 3))
     _solve(tinv_ptr, _tril16(akk00, True) * b0, akk10 * b1, _tril16(akk11, True) * b1,
            akk20 * b2, akk21 * b2, _tril16(akk22, True) * b2,
-           akk30 * b3, akk31 * b3, akk32 * b3, _tril16(akk33, True) * b3, s, e, h, H, TF32)
+           akk30 * b3, akk31 * b3, akk32 * b3, _tril16(akk33, True) * b3, s, e, h, H)
 
 
 @triton.jit
