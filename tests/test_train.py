@@ -389,3 +389,35 @@ def test_expert_parallel_errors(setup, tmp_path):
         run(setup, tmp_path / "a", "--stages", "64:1", "--expert-parallel", "2")
     with pytest.raises(ValueError, match="--expert-parallel must be >= 1"):
         run(setup, tmp_path / "b", "--stages", "64:1", "--expert-parallel", "0")
+
+
+def test_a_non_finite_loss_stops_before_the_optimizer_step_and_keeps_the_last_finite_weights(setup, tmp_path,
+                                                                                               monkeypatch):
+    """The 4th training forward returns a NaN loss: the run raises a one-line error naming step 4, logs steps 1-3,
+    and step 3's checkpoint holds the weights of a run stopped after 3 steps, bit for bit."""
+    from safetensors.torch import load_file
+
+    from kdamoe.errors import UsageError
+
+    three = tmp_path / "three"
+    run(setup, three, "--stages", "32:6", "--max-steps", "3")
+    forward, calls = KDAMoEForCausalLM.forward, []
+
+    def poisoned(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        if self.training:
+            calls.append(1)
+            if len(calls) == 4:
+                out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(KDAMoEForCausalLM, "forward", poisoned)
+    out = tmp_path / "nan"
+    with pytest.raises(UsageError, match=r"step 4: the loss \(nan\) .* not finite .* weights after step 3 are in"):
+        run(setup, out, "--stages", "32:6")
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+    assert not (out / "final").exists()
+    saved = load_file(out / "checkpoints" / "step_00000003" / "model.safetensors")
+    expected = load_file(three / "checkpoints" / "step_00000003" / "model.safetensors")
+    assert saved.keys() == expected.keys()
+    assert all(torch.equal(saved[k], expected[k]) for k in saved) and all(v.isfinite().all() for v in saved.values())

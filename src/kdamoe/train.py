@@ -56,6 +56,8 @@ dir and renamed when complete) and `final/` (`save_pretrained` + tokenizer + gen
 keeps what other tools added there (the model card, `eval/`).
 
 **Errors** in what was asked for (flags, config file, data, output folder) are one line on stderr and exit status 2.
+So is a step whose loss or gradient norm is not finite: the run stops before that optimizer step and saves the
+weights of the step before it as a checkpoint (`stop_on_non_finite`), so diverged weights are never written.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -362,6 +365,20 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, state
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
     return final
+
+
+def stop_on_non_finite(accelerator: Accelerator, output_dir: Path, step: int, loss: float, grad_norm: float,
+                       precision: str, save: Callable[[], Path]) -> None:
+    """Raise `UsageError` for optimizer step `step + 1`, whose loss or gradient norm is not finite, before the
+    optimizer takes it: the weights are still those after `step` steps, and are saved as that step's checkpoint unless
+    it exists (`save`; every rank calls this, as both values are reduced over the ranks), so no finite work is lost and
+    no non-finite weights are written."""
+    kept = output_dir / "checkpoints" / f"step_{step:08d}"
+    if step > 0 and not kept.is_dir():
+        kept = save()
+    where = f"the weights after step {step} are in {kept}" if step > 0 else "no optimizer step was taken"
+    raise UsageError(f"step {step + 1}: the loss ({loss}) or the gradient norm ({grad_norm}) is not finite "
+                     f"(mixed precision: {precision}); stopped before the optimizer step, {where}")
 
 
 # --------------------------------------------------------------------------------------------- training
@@ -705,10 +722,15 @@ def train(argv: list[str] | None = None, return_model: bool = False):
             grad_norm = clip_grad_norm_(raw_model, settings["max_grad_norm"])
         else:
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), settings["max_grad_norm"])
+        step_loss = float(accelerator.reduce(loss_sum / plan.grad_accum, reduction="mean"))
+        if not (math.isfinite(step_loss) and math.isfinite(float(grad_norm))):
+            optimizer.zero_grad(set_to_none=True)
+            stop_on_non_finite(accelerator, out, step, step_loss, float(grad_norm), mixed,
+                               lambda: save_checkpoint(accelerator, out, step, {"step": step, "fingerprint": fingerprint},
+                                                       settings["keep_checkpoints"], rank_state()))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         balance = raw_model.apply_load_balancing()
-        step_loss = float(accelerator.reduce(loss_sum / plan.grad_accum, reduction="mean"))
         elapsed = time.perf_counter() - t0
         step_tokens = rows * plan.seq_len
         trained_tokens += step_tokens
