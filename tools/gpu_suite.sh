@@ -16,13 +16,14 @@
 #   benchmarks/bench_decode.py (DECODE_MODELS, DECODE_CONTEXTS, DECODE_BATCHES,
 #   DECODE_MAX_PREFILL narrow it);
 #   `PROFILE=1 REST=0 ...`: benchmarks/profile_ops.py (kernel tables, ours vs fla-core; autotunes fla again);
-#   `LONG=1 REST=0 bash tools/gpu_suite.sh` (~7 min; carry .gpu/tok32k and .gpu/fla_autotune.tgz): million-token
-#   contexts, each part under its own limit (LONG_TEST_S, LONG_BENCH_S, LONG_TRAIN_S, LONG_EVAL_S; 0 skips it;
-#   LONG_PARTS narrows the benchmark's parts):
+#   `LONG=1 REST=0 bash tools/gpu_suite.sh` (~8 min; carry .gpu/tok32k and .gpu/fla_autotune.tgz): million-token
+#   contexts, each part under its own limit (LONG_TEST_S, LONG_BENCH_S, LONG_TRAIN_S, LONG_LOCALIZE_S, LONG_EVAL_S;
+#   0 skips it; LONG_PARTS narrows the benchmark's parts):
 #   tests/test_long_context.py (a 1M-token prefill and 32 cached decode steps per kind of config),
 #   benchmarks/bench_long_context.py (1M prefill of the twin and the hybrid MoE, SDPA alone, decode after 4K vs 1M,
 #   the twin's 1M training step against fla's), the `small` preset trained 8K -> 64K -> 256K -> 1M
-#   (configs/small_staged_1m.json) and kdamoe-eval of it up to 1M tokens; all printed to $OUT/long.log;
+#   (configs/small_staged_1m.json), tools/localize_nonfinite.py on it in bf16 (LONG_LOCALIZE_S) and kdamoe-eval of
+#   it up to 1M tokens; all printed to $OUT/long.log;
 #   `ABLATE=1 REST=0 ABLATE_FACTORS=router_balancing ABLATE_SEEDS=0 bash tools/gpu_suite.sh` (carry .gpu/tok8k:
 #   kdamoe-tokenizer --vocab-size 8192 --output-dir .gpu/tok8k): one job of the H200 ablation, its results.json and
 #   report.md in $OUT/ablate_<factors>_<seeds>/; `kdamoe-ablate --merge` of the jobs' folders makes the report;
@@ -117,6 +118,11 @@ if [ "${LONG:-0}" = 1 ]; then
         --tokenizer .gpu/tok32k --output-dir /tmp/staged 2>&1 | grep -v -i warn | tail -15
       cp /tmp/staged/metrics.jsonl "$OUT/staged_metrics.jsonl" 2>/dev/null
       cp /tmp/staged/final/training_info.json "$OUT/staged_info.json" 2>/dev/null
+    fi
+    if [ "${LONG_LOCALIZE_S:-150}" != 0 ] && [ -d /tmp/staged/final ]; then
+      echo "== tools/localize_nonfinite.py: where the staged model's bf16 forward first turns non-finite (if it does)"
+      timeout "${LONG_LOCALIZE_S:-150}" python3 tools/localize_nonfinite.py /tmp/staged/final --out /tmp/nonfinite \
+        --dtype bfloat16 2>&1 | grep -v -i warn | tail -30
     fi
     if [ "${LONG_EVAL_S:-120}" != 0 ] && [ -d /tmp/staged/final ]; then
       # the whole corpus: its held-out split (390K tokens with tok32k) is shorter than one 1M-token row

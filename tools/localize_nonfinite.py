@@ -25,6 +25,7 @@ from kdamoe.data import load_corpus, validation_rows
 from kdamoe.model import kda_chunk, kda_chunk_fwd, kda_launch
 from kdamoe.model.fused_norm import l2norm
 from kdamoe.model.kda import chunk_kda
+from kdamoe.model.kda_chunk import chunk_kda_triton
 from kdamoe.model.modeling_kdamoe import KDAMoEForCausalLM, KDAMoEKimiDeltaAttention, fused_projections
 from kdamoe.model.short_conv import short_conv_silu, short_conv_silu_torch
 
@@ -169,7 +170,7 @@ def save_document(mixer, inputs, cu_seqlens, token, out: Path):
               lower_bound=mixer.lower_bound if mixer.gate == "bounded" else None)
     with torch.no_grad():
         print(f"document of the first bad token: row {row}, tokens [{a}, {b}); alone on Triton: "
-              f"finite {finite(chunk_kda(*part, backend='triton', **kw)[0])}")
+              f"finite {finite(chunk_kda_triton(*part, **kw)[0])}")
     out.mkdir(parents=True, exist_ok=True)
     for name, t in zip(("q", "k", "v", "g"), part):
         torch.save(t.cpu(), out / f"{name}.pt")
@@ -214,8 +215,8 @@ def main():
                   lower_bound=mixer.lower_bound if mixer.gate == "bounded" else None, cu_seqlens=cu)
         wide = [t.float() for t in inputs]
         kw32 = {**kw, "A_log": mixer.A_log.float(), "dt_bias": mixer.dt_bias.float()}
-        print("op, Triton in", str(inputs[0].dtype).removeprefix("torch."), finite(chunk_kda(*inputs, backend="triton", **kw)[0]),
-              "| Triton fp32", finite(chunk_kda(*wide, backend="triton", **kw32)[0]),
+        print("op, Triton in", str(inputs[0].dtype).removeprefix("torch."), finite(chunk_kda_triton(*inputs, **kw)[0]),
+              "| Triton fp32", finite(chunk_kda_triton(*wide, **kw32)[0]),
               "| torch fp32", finite(chunk_kda(*wide, backend="torch", **kw32)[0]))
         token = step_through_kernels(mixer, inputs, cu)
         if token is not None:
