@@ -421,3 +421,44 @@ def test_a_non_finite_loss_stops_before_the_optimizer_step_and_keeps_the_last_fi
     expected = load_file(three / "checkpoints" / "step_00000003" / "model.safetensors")
     assert saved.keys() == expected.keys()
     assert all(torch.equal(saved[k], expected[k]) for k in saved) and all(v.isfinite().all() for v in saved.values())
+
+
+NAN_ON_RANK_1 = r"""
+import os, sys
+from kdamoe.errors import UsageError
+from kdamoe.model.modeling_kdamoe import KDAMoEForCausalLM
+from kdamoe.train import train
+forward, calls = KDAMoEForCausalLM.forward, []
+def poisoned(self, *args, **kwargs):
+    out = forward(self, *args, **kwargs)
+    if self.training and os.environ["RANK"] == "1":
+        calls.append(1)
+        if len(calls) == 4:
+            out.loss = out.loss * float("nan")
+    return out
+KDAMoEForCausalLM.forward = poisoned
+try:
+    train(sys.argv[2:])
+except UsageError as error:
+    with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.txt"), "w") as f:
+        f.write(str(error))
+    sys.exit(2)
+"""
+
+
+def test_torchrun_a_non_finite_loss_on_one_rank_stops_every_rank(setup, tmp_path):
+    """Rank 1 alone gets a NaN loss at step 4: both ranks stop there with the same error (no rank left waiting in a
+    collective), after writing step 3's checkpoint together."""
+    script = tmp_path / "nan.py"
+    script.write_text(NAN_ON_RANK_1)
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(script), str(tmp_path), "--config", setup["config"], "--tokenizer", setup["tokenizer"],
+           "--output-dir", str(out), "--stages", "64:8", "--micro-batch-size", "2"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0
+    errors = [(tmp_path / f"rank{i}.txt").read_text() for i in (0, 1)]
+    assert errors[0] == errors[1] and errors[0].startswith("step 4: the loss (nan)"), (errors, result.stderr[-3000:])
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+    assert (out / "checkpoints" / "step_00000003" / "trainer_state.json").is_file()
