@@ -9,8 +9,9 @@
 #   `MODEL=1 REST=0 MODEL_BENCH_S=0 bash tools/gpu_suite.sh` (~7 min): the CUDA tests of the model's fused path,
 #   torch.compile and offsets past 2^31; `MODEL=1 REST=0 MODEL_TEST_S=0 ...` (~6 min): benchmarks/bench_model.py
 #   (ours against fla's model; MODEL_ROWS picks rows, MODEL_PROFILE / MODEL_MEMORY the rows profiled / broken down
-#   by memory, MODEL_PRECISION=amp fp32 weights under bf16 autocast as kdamoe-train runs them), fla's autotuning
-#   packed again (a limit of 0 skips a part);
+#   by memory, MODEL_PRECISION=amp fp32 weights under bf16 autocast as kdamoe-train runs them, MODEL_ALT="NAME=DIR
+#   ..." other model folders in the same run, carried in alt/), fla's autotuning packed again (a limit of 0 skips a
+#   part);
 #   `DECODE=1 REST=0 DECODE_BENCH_S=0 bash tools/gpu_suite.sh`: the CUDA tests of the static cache, the decode steps
 #   replayed as CUDA graphs and the fused decode kernel; `DECODE=1 REST=0 DECODE_TEST_S=0 ...`:
 #   benchmarks/bench_decode.py (DECODE_MODELS, DECODE_CONTEXTS, DECODE_BATCHES,
@@ -64,7 +65,7 @@ if [ "${MODEL:-0}" = 1 ]; then
     echo "== bench_model (ours against fla's KDAForCausalLM, one process)"
     timeout "${MODEL_BENCH_S:-330}" python3 benchmarks/bench_model.py --rows "${MODEL_ROWS:-dense,attnres,packed,moe}" \
       --steps 6 --warmup 2 --profile "${MODEL_PROFILE:-attnres}" --memory "${MODEL_MEMORY:-dense}" \
-      --precision "${MODEL_PRECISION:-bf16}" \
+      --precision "${MODEL_PRECISION:-bf16}" $(for alt in ${MODEL_ALT:-}; do printf -- '--alt %s ' "$alt"; done) \
       --out "$OUT/model_h200.json" 2>&1 \
       | grep -v -i warn | tee "$OUT/bench_model.log" | tail -25
   fi
