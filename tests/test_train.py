@@ -391,10 +391,12 @@ def test_expert_parallel_errors(setup, tmp_path):
         run(setup, tmp_path / "b", "--stages", "64:1", "--expert-parallel", "0")
 
 
+@pytest.mark.parametrize("save_every", ["0", "3"])
 def test_a_non_finite_loss_stops_before_the_optimizer_step_and_keeps_the_last_finite_weights(setup, tmp_path,
-                                                                                               monkeypatch):
+                                                                                               monkeypatch, save_every):
     """The 4th training forward returns a NaN loss: the run raises a one-line error naming step 4, logs steps 1-3,
-    and step 3's checkpoint holds the weights of a run stopped after 3 steps, bit for bit."""
+    and step 3's checkpoint (written at the stop, or by --save-every 3 before it) holds the weights of a run stopped
+    after 3 steps, bit for bit."""
     from safetensors.torch import load_file
 
     from kdamoe.errors import UsageError
@@ -414,7 +416,7 @@ def test_a_non_finite_loss_stops_before_the_optimizer_step_and_keeps_the_last_fi
     monkeypatch.setattr(KDAMoEForCausalLM, "forward", poisoned)
     out = tmp_path / "nan"
     with pytest.raises(UsageError, match=r"step 4: the loss \(nan\) .* not finite .* weights after step 3 are in"):
-        run(setup, out, "--stages", "32:6")
+        run(setup, out, "--stages", "32:6", "--save-every", save_every)
     assert [r["step"] for r in metrics(out)] == [1, 2, 3]
     assert not (out / "final").exists()
     saved = load_file(out / "checkpoints" / "step_00000003" / "model.safetensors")

@@ -367,15 +367,13 @@ def save_checkpoint(accelerator: Accelerator, output_dir: Path, step: int, state
     return final
 
 
-def stop_on_non_finite(accelerator: Accelerator, output_dir: Path, step: int, loss: float, grad_norm: float,
-                       precision: str, save: Callable[[], Path]) -> None:
+def stop_on_non_finite(output_dir: Path, step: int, loss: float, grad_norm: float, precision: str,
+                       save: Callable[[], Path] | None) -> None:
     """Raise `UsageError` for optimizer step `step + 1`, whose loss or gradient norm is not finite, before the
-    optimizer takes it: the weights are still those after `step` steps, and are saved as that step's checkpoint unless
-    it exists (`save`; every rank calls this, as both values are reduced over the ranks), so no finite work is lost and
-    no non-finite weights are written."""
-    kept = output_dir / "checkpoints" / f"step_{step:08d}"
-    if step > 0 and not kept.is_dir():
-        kept = save()
+    optimizer takes it: the weights are still those after `step` steps. `save` writes them as that step's checkpoint
+    (None where it exists: the step a run resumed from, a `--save-every` one), so no finite work is lost and no
+    non-finite weights are written. Every rank calls this alike (both values are reduced over the ranks)."""
+    kept = save() if save is not None else output_dir / "checkpoints" / f"step_{step:08d}"
     where = f"the weights after step {step} are in {kept}" if step > 0 else "no optimizer step was taken"
     raise UsageError(f"step {step + 1}: the loss ({loss}) or the gradient norm ({grad_norm}) is not finite "
                      f"(mixed precision: {precision}); stopped before the optimizer step, {where}")
@@ -725,9 +723,10 @@ def train(argv: list[str] | None = None, return_model: bool = False):
         step_loss = float(accelerator.reduce(loss_sum / plan.grad_accum, reduction="mean"))
         if not (math.isfinite(step_loss) and math.isfinite(float(grad_norm))):
             optimizer.zero_grad(set_to_none=True)
-            stop_on_non_finite(accelerator, out, step, step_loss, float(grad_norm), mixed,
-                               lambda: save_checkpoint(accelerator, out, step, {"step": step, "fingerprint": fingerprint},
-                                                       settings["keep_checkpoints"], rank_state()))
+            saved = step == start_step or (settings["save_every"] and step % settings["save_every"] == 0)
+            stop_on_non_finite(out, step, step_loss, float(grad_norm), mixed, None if saved else (
+                lambda: save_checkpoint(accelerator, out, step, {"step": step, "fingerprint": fingerprint},
+                                        settings["keep_checkpoints"], rank_state())))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         balance = raw_model.apply_load_balancing()
