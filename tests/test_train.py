@@ -293,15 +293,21 @@ with open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.json"), "w") as f
 """
 
 
+def torchrun(setup, tmp_path, script: str, out, *flags) -> subprocess.CompletedProcess:
+    """The Python source `script` on 2 gloo ranks (`torch.distributed.run`), given tmp_path and then kdamoe-train flags:
+    the micro config, the shared tokenizer, `--output-dir out` and `flags`."""
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(path),
+           str(tmp_path), "--config", setup["config"], "--tokenizer", setup["tokenizer"], "--output-dir", str(out),
+           *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
 def test_torchrun_two_ranks_stay_in_sync(setup, base_run, tmp_path):
     """2 gloo ranks x micro-batch 2 train like 1 process x micro-batch 4, with identical weights and router biases."""
-    script = tmp_path / "digest.py"
-    script.write_text(DIGEST)
     out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(script), str(tmp_path), "--config", setup["config"], "--tokenizer", setup["tokenizer"],
-           "--output-dir", str(out), "--stages", "64:16", "--micro-batch-size", "2"]
-    result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = torchrun(setup, tmp_path, DIGEST, out, "--stages", "64:16", "--micro-batch-size", "2")
     assert result.returncode == 0, result.stderr[-4000:]
     r0, r1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1))
     assert r0["sha256"] == r1["sha256"]
@@ -319,13 +325,8 @@ def test_torchrun_context_parallel_trains_as_one_process(setup, base_run, tmp_pa
     """--context-parallel 2 on 2 gloo ranks: each rank trains half of every row of the single process's batches; the
     loss of each step (the mean over both halves) and the validation loss are the single process's, and both ranks
     hold the same weights and router biases."""
-    script = tmp_path / "digest.py"
-    script.write_text(DIGEST)
     out = tmp_path / "cp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(script), str(tmp_path), "--config", setup["config"], "--tokenizer", setup["tokenizer"],
-           "--output-dir", str(out), "--stages", "64:16", "--max-steps", "3", "--context-parallel", "2"]
-    result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = torchrun(setup, tmp_path, DIGEST, out, "--stages", "64:16", "--max-steps", "3", "--context-parallel", "2")
     assert result.returncode == 0, result.stderr[-4000:]
     r0, r1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1))
     assert r0 == r1
@@ -354,16 +355,9 @@ def test_torchrun_expert_parallel_trains_as_one_process_and_resumes(setup, base_
     """--expert-parallel 2 on 2 gloo ranks x micro-batch 2: each rank holds half of every MoE layer's experts and the
     losses are the single process's (micro-batch 4); `final/` holds the whole model (gathered), the same on both
     ranks; a run stopped after 2 steps resumes (each rank's expert shards and optimizer state) into the same step 3."""
-    script = tmp_path / "digest.py"
-    script.write_text(DIGEST)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-
     def launch(out, *flags):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(script), str(tmp_path), "--config", setup["config"], "--tokenizer", setup["tokenizer"],
-               "--output-dir", str(out), "--stages", "64:16", "--micro-batch-size", "2", "--expert-parallel", "2",
-               *flags]
-        result = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        result = torchrun(setup, tmp_path, DIGEST, out, "--stages", "64:16", "--micro-batch-size", "2",
+                          "--expert-parallel", "2", *flags)
         assert result.returncode == 0, result.stderr[-4000:]
         return [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1)]
 
@@ -451,14 +445,8 @@ except UsageError as error:
 def test_torchrun_a_non_finite_loss_on_one_rank_stops_every_rank(setup, tmp_path):
     """Rank 1 alone gets a NaN loss at step 4: both ranks stop there with the same error (no rank left waiting in a
     collective), after writing step 3's checkpoint together."""
-    script = tmp_path / "nan.py"
-    script.write_text(NAN_ON_RANK_1)
     out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(script), str(tmp_path), "--config", setup["config"], "--tokenizer", setup["tokenizer"],
-           "--output-dir", str(out), "--stages", "64:8", "--micro-batch-size", "2"]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = torchrun(setup, tmp_path, NAN_ON_RANK_1, out, "--stages", "64:8", "--micro-batch-size", "2")
     assert result.returncode != 0
     errors = [(tmp_path / f"rank{i}.txt").read_text() for i in (0, 1)]
     assert errors[0] == errors[1] and errors[0].startswith("step 4: the loss (nan)"), (errors, result.stderr[-3000:])
