@@ -721,10 +721,11 @@ def train(argv: list[str] | None = None, return_model: bool = False):
         else:
             grad_norm = accelerator.clip_grad_norm_(model.parameters(), settings["max_grad_norm"])
         step_loss = float(accelerator.reduce(loss_sum / plan.grad_accum, reduction="mean"))
-        if not (math.isfinite(step_loss) and math.isfinite(float(grad_norm))):
+        grad_norm = float(grad_norm)
+        if not (math.isfinite(step_loss) and math.isfinite(grad_norm)):
             optimizer.zero_grad(set_to_none=True)
             saved = step == start_step or (settings["save_every"] and step % settings["save_every"] == 0)
-            stop_on_non_finite(out, step, step_loss, float(grad_norm), mixed, None if saved else (
+            stop_on_non_finite(out, step, step_loss, grad_norm, mixed, None if saved else (
                 lambda: save_checkpoint(accelerator, out, step, {"step": step, "fingerprint": fingerprint},
                                         settings["keep_checkpoints"], rank_state())))
         optimizer.step()
@@ -734,7 +735,7 @@ def train(argv: list[str] | None = None, return_model: bool = False):
         step_tokens = rows * plan.seq_len
         trained_tokens += step_tokens
         record = {"step": step + 1, "stage": plans.index(plan), "seq_len": plan.seq_len, "loss": step_loss,
-                  "ppl": math.exp(min(step_loss, 50.0)), "lr": lr, "grad_norm": float(grad_norm),
+                  "ppl": math.exp(min(step_loss, 50.0)), "lr": lr, "grad_norm": grad_norm,
                   "tokens": offsets[step] + step_tokens, "tokens_per_second": step_tokens / elapsed,
                   "max_vio": {str(k): float(v["max_vio"]) for k, v in balance.items()},
                   "dead_experts": {str(k): int(v["dead_experts"]) for k, v in balance.items()}}
