@@ -2,12 +2,18 @@
 
 A trained kdamoe-train folder routes `--batches` training batches of its own data order (the steps after the run)
 with its final weights, no update in between. The bias is the exact Quantile Balancing fixed point
-(`quantile_fixed_point`) of the first `--fit` batches; the floor is the mean MaxVio_batch (over the MoE layers and
-the later batches) of the other batches, regrouped into batches of R rows, routed with that bias: what balancing can
-do when the router does not move at all. Rows route by document, so a batch of few rows is off balance by its
-content alone; `iid` shuffles the same tokens across rows for comparison.
+(`quantile_fixed_point`, `--iterations` steps; the script prints how well it balances the tokens it was fitted on)
+of the first `--fit` batches; the floor is the mean MaxVio_batch (over the MoE layers and the later batches) of the
+other batches, regrouped into batches of R rows, routed with that bias: what balancing can do when the router does
+not move at all. Rows route by document, so a batch of few rows is off balance by its content alone; `iid`
+shuffles the same tokens across rows for comparison. Next to it, the run's own MaxVio_batch while it trained.
 
-    PYTHONPATH=src python benchmarks/balance_floor.py runs/qb16/runs/base/seed0 --rows 8,16,32,64
+    kdamoe-train --config configs/ablate_tiny16.json --seed S --output-dir runs/qb16-S        # S = 0, 1, 2
+    PYTHONPATH=src python benchmarks/balance_floor.py runs/qb16-0 runs/qb16-1 runs/qb16-2 --rows 8,16,32 \
+        --out benchmarks/results/balance_floor_tiny16.json
+    kdamoe-train --config configs/ablate_cpu64.json --seed S --output-dir runs/cpu64-S        # S = 0, 1
+    PYTHONPATH=src python benchmarks/balance_floor.py runs/cpu64-0 runs/cpu64-1 --batches 24 --fit 8 --rows 4,16,64 \
+        --after-step 50 --out benchmarks/results/balance_floor_cpu64.json
 """
 
 import argparse
@@ -53,26 +59,62 @@ def router_scores(run: Path, batches: int) -> tuple[dict[int, list[torch.Tensor]
     return scores, stage["seq_len"], model.config.num_experts_per_tok
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("run", type=Path, help="a kdamoe-train output folder (with final/)")
-    p.add_argument("--batches", type=int, default=48)
-    p.add_argument("--fit", type=int, default=16, help="batches the bias is fitted on")
-    p.add_argument("--rows", default="8,16,32,64", help="rows per evaluated batch")
-    args = p.parse_args()
-    scores, seq_len, top_k = router_scores(args.run, args.batches)
+def analyse(run: Path, args) -> dict:
+    """The floor table of one run, printed and returned."""
+    print(f"== {run}")
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    trained = [sum(r["max_vio"].values()) / len(r["max_vio"]) for r in logged
+               if r.get("max_vio") and r["step"] > args.after_step]
+    in_training = sum(trained) / len(trained) if trained else None
+    first, last = (int(x) for x in args.early.split("-"))
+    early = [sum(r["max_vio"].values()) / len(r["max_vio"]) for r in logged
+             if r.get("max_vio") and first <= r["step"] <= last]
+    early = sum(early) / len(early) if early else None
+    most_dead = max((sum(r["dead_experts"].values()) for r in logged if r.get("dead_experts")), default=None)
+    if in_training is not None:
+        print(f"the run's MaxVio_batch (layer mean) over steps {args.after_step + 1}+: {in_training:.3f}; "
+              f"steps {args.early}: {early:.3f}; most dead experts at one step (all layers): {most_dead}")
+    scores, seq_len, top_k = router_scores(run, args.batches)
+    fits = {}
+    for name, layer in scores.items():
+        fit = torch.cat(layer[: args.fit]).double()
+        bias = quantile_fixed_point(fit, torch.zeros(fit.shape[1], dtype=torch.float64), top_k, args.iterations)
+        fits[name] = (bias, torch.cat(layer[args.fit:]).double(), max_vio(fit, bias, top_k))
+    fitted = sum(f[2] for f in fits.values()) / len(fits)
+    print(f"the fitted batches themselves: MaxVio {fitted:.3f} (0 when the fit has converged)")
+    table = []
     for rows in (int(r) for r in args.rows.split(",")):
         floor, iid = [], []
-        for layer in scores.values():
-            bias = quantile_fixed_point(torch.cat(layer[: args.fit]).double(),
-                                        torch.zeros(layer[0].shape[1], dtype=torch.float64), top_k, 8)
-            rest = torch.cat(layer[args.fit:]).double()
+        for bias, rest, _ in fits.values():
             shuffled = rest[torch.randperm(rest.shape[0], generator=torch.Generator().manual_seed(0))]
             n = rows * seq_len
             floor += [max_vio(rest[i:i + n], bias, top_k) for i in range(0, rest.shape[0] - n + 1, n)]
             iid += [max_vio(shuffled[i:i + n], bias, top_k) for i in range(0, rest.shape[0] - n + 1, n)]
-        print(f"{rows:4d} rows of {seq_len}: MaxVio_batch floor {sum(floor) / len(floor):.3f} "
-              f"(tokens shuffled across rows: {sum(iid) / len(iid):.3f}; {len(floor)} batches x layers)")
+        table.append({"rows": rows, "seq_len": seq_len, "floor": sum(floor) / len(floor), "iid": sum(iid) / len(iid),
+                      "batches_x_layers": len(floor)})
+        print(f"{rows:4d} rows of {seq_len}: MaxVio_batch floor {table[-1]['floor']:.3f} "
+              f"(tokens shuffled across rows: {table[-1]['iid']:.3f}; {len(floor)} batches x layers)")
+    return {"run": str(run), "in_training_max_vio": in_training, "early_max_vio": early, "most_dead_experts": most_dead,
+            "fitted_max_vio": fitted, "table": table}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("runs", type=Path, nargs="+", help="kdamoe-train output folders (with final/)")
+    p.add_argument("--batches", type=int, default=48)
+    p.add_argument("--fit", type=int, default=16, help="batches the bias is fitted on")
+    p.add_argument("--rows", default="8,16,32,64", help="rows per evaluated batch")
+    p.add_argument("--iterations", type=int, default=64,
+                   help="fixed-point steps of the fit (with 64 experts the iteration needs tens to settle)")
+    p.add_argument("--after-step", type=int, default=40,
+                   help="each run's own MaxVio_batch (metrics.jsonl) is averaged over the steps after this one")
+    p.add_argument("--early", default="11-40", help="FIRST-LAST: the steps of early training, reported apart")
+    p.add_argument("--out", type=Path, help="write the tables as JSON")
+    args = p.parse_args()
+    results = [analyse(run, args) for run in args.runs]
+    if args.out:
+        settings = {k: getattr(args, k) for k in ("batches", "fit", "iterations", "after_step", "early")}
+        args.out.write_text(json.dumps({"settings": settings, "runs": results}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
