@@ -32,16 +32,16 @@ def max_vio(scores: torch.Tensor, bias: torch.Tensor, top_k: int) -> float:
 
 
 @torch.no_grad()
-def router_scores(run: Path, batches: int) -> tuple[dict[int, list[torch.Tensor]], int, int]:
-    """Per MoE layer, the router scores `[rows * seq_len, E]` of each of `batches` batches after the run's last
-    step; also the row length and top-k."""
+def router_scores(run: Path, batches: int, device: str) -> tuple[dict[int, list[torch.Tensor]], int, int]:
+    """Per MoE layer, the router scores `[rows * seq_len, E]` (on the CPU) of each of `batches` batches after the
+    run's last step, routed on `device`; also the row length and top-k."""
     from transformers import AutoTokenizer
 
     from kdamoe.model.modeling_kdamoe import KDAMoEForCausalLM
 
     info = json.loads((run / "final" / "training_info.json").read_text())
     settings, (stage, *_) = info["settings"], info["stages"]
-    model = KDAMoEForCausalLM.from_pretrained(run / "final").eval()
+    model = KDAMoEForCausalLM.from_pretrained(run / "final").to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(run / "final")
     train_split = load_corpus(settings["dataset"], "all" if settings["validation_dataset"] else "train",
                               text_column=settings["text_column"], validation_fraction=settings["validation_fraction"])
@@ -52,10 +52,10 @@ def router_scores(run: Path, batches: int) -> tuple[dict[int, list[torch.Tensor]
     scores = {}
     for i, layer in enumerate(model.model.layers):
         if layer.is_moe:
-            layer.ffn.router.register_forward_hook(lambda m, a, out, i=i: scores.setdefault(i, []).append(out[1]))
+            layer.ffn.router.register_forward_hook(lambda m, a, out, i=i: scores.setdefault(i, []).append(out[1].float().cpu()))
     for step in range(info["steps"], info["steps"] + batches):
         batch = rows_to_batch(*data.batch(step))
-        model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+        model(input_ids=batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device))
     return scores, stage["seq_len"], model.config.num_experts_per_tok
 
 
@@ -74,7 +74,7 @@ def analyse(run: Path, args) -> dict:
     if in_training is not None:
         print(f"the run's MaxVio_batch (layer mean) over steps {args.after_step + 1}+: {in_training:.3f}; "
               f"steps {args.early}: {early:.3f}; most dead experts at one step (all layers): {most_dead}")
-    scores, seq_len, top_k = router_scores(run, args.batches)
+    scores, seq_len, top_k = router_scores(run, args.batches, args.device)
     fits = {}
     for name, layer in scores.items():
         fit = torch.cat(layer[: args.fit]).double()
@@ -109,6 +109,7 @@ def main() -> None:
     p.add_argument("--after-step", type=int, default=40,
                    help="each run's own MaxVio_batch (metrics.jsonl) is averaged over the steps after this one")
     p.add_argument("--early", default="11-40", help="FIRST-LAST: the steps of early training, reported apart")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, help="write the tables as JSON")
     args = p.parse_args()
     results = [analyse(run, args) for run in args.runs]

@@ -27,7 +27,8 @@
 #   it up to 1M tokens; all printed to $OUT/long.log;
 #   `ABLATE=1 REST=0 ABLATE_FACTORS=router_balancing ABLATE_SEEDS=0 bash tools/gpu_suite.sh` (carry .gpu/tok8k:
 #   kdamoe-tokenizer --vocab-size 8192 --output-dir .gpu/tok8k): one job of the H200 ablation, its results.json and
-#   report.md in $OUT/ablate_<factors>_<seeds>/; `kdamoe-ablate --merge` of the jobs' folders makes the report;
+#   report.md in $OUT/ablate_<factors>_<seeds>/ (with benchmarks/balance_floor.py on its quantile runs: the floor of
+#   MaxVio_batch at fixed weights, FLOOR_S); `kdamoe-ablate --merge` of the jobs' folders makes the report;
 #   `bash tools/gpu_suite.sh` (REST, ~5 min): CUDA-only MoE tests, benchmarks/bench_moe.py, a short `small`-preset
 #   training run for tokens/s and MFU, and a torch.profiler table of one `small` training step
 #   (benchmarks/profile_step.py).
@@ -147,6 +148,11 @@ if [ "${ABLATE:-0}" = 1 ]; then
     --factors "${ABLATE_FACTORS:-router_balancing}" --seeds "${ABLATE_SEEDS:-0}" --tokenizer .gpu/tok8k \
     --output-dir "/tmp/$name" 2>&1 | grep -v -i warn | tail -5
   mkdir -p "$OUT/$name" && cp /tmp/$name/results.json /tmp/$name/report.md "$OUT/$name/" 2>/dev/null
+  if [ -d "/tmp/$name/runs/base" ]; then  # the quantile runs against the floor of a bias fitted at fixed weights
+    echo "== balance_floor (the base runs: quantile balancing)"
+    TQDM_DISABLE=1 timeout "${FLOOR_S:-120}" python3 benchmarks/balance_floor.py /tmp/$name/runs/base/seed* \
+      --rows 16,64 --after-step 50 --out "$OUT/$name/balance_floor.json" 2>&1 | grep -v -i warn | tail -12
+  fi
 fi
 
 if [ "${REST:-1}" = 1 ]; then
