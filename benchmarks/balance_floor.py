@@ -9,11 +9,12 @@ not move at all. Rows route by document, so a batch of few rows is off balance b
 shuffles the same tokens across rows for comparison. Next to it, the run's own MaxVio_batch while it trained.
 
     kdamoe-train --config configs/ablate_tiny16.json --seed S --output-dir runs/qb16-S        # S = 0, 1, 2
-    PYTHONPATH=src python benchmarks/balance_floor.py runs/qb16-0 runs/qb16-1 runs/qb16-2 --rows 8,16,32 \
+    PYTHONPATH=src python benchmarks/balance_floor.py runs/qb16-0 runs/qb16-1 runs/qb16-2 --rows 8,16,32 \\
         --out benchmarks/results/balance_floor_tiny16.json
     kdamoe-train --config configs/ablate_cpu64.json --seed S --output-dir runs/cpu64-S        # S = 0, 1
-    PYTHONPATH=src python benchmarks/balance_floor.py runs/cpu64-0 runs/cpu64-1 --batches 24 --fit 8 --rows 4,16,64 \
-        --after-step 50 --out benchmarks/results/balance_floor_cpu64.json
+    kdamoe-train --config configs/ablate_cpu64.json --lr 1e-3 --warmup-steps 50 --output-dir runs/cpu64-lr1e-3-0
+    PYTHONPATH=src python benchmarks/balance_floor.py runs/cpu64-0 runs/cpu64-1 runs/cpu64-lr1e-3-0 --batches 24 \\
+        --fit 8 --rows 4,16,64 --after-step 50 --out benchmarks/results/balance_floor_cpu64.json
 """
 
 import argparse
