@@ -368,6 +368,18 @@ class KDAMoEAttention(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def normed_input(state: ResidualState, depth_attention: DepthAttention | None, norm: KDAMoERMSNorm,
+                 keep_input: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`(norm(h), h or None)` for the input h that `state` gives a sublayer (or the final norm). Depth attention and a
+    plain norm (no hooks, which the fused op would bypass) run as one op, which never writes h nor keeps it for the
+    backward (h is None then, unless `keep_input`)."""
+    plain = type(norm) is KDAMoERMSNorm and not (norm._forward_hooks or norm._forward_pre_hooks)
+    if depth_attention is not None and plain and not keep_input:
+        return depth_attention(state.sources(), norm=(norm.weight, norm.eps)), None
+    h = state.read(depth_attention)
+    return norm(h), h
+
+
 class KDAMoEDecoderLayer(GradientCheckpointingLayer):
     """`mixer` (KDA or attention) then `ffn` (dense MLP or MoE), each a PreNorm sublayer whose input comes from the
     residual stream or from depth attention over block sources (`residual_mode`)."""
@@ -413,7 +425,7 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
         one op, which never forms it), the router logits `[B*T, E]` and the auxiliary loss (MoE layers; None
         otherwise), then the new completed sources."""
         state = ResidualState(completed, partial)
-        x, mixer_input = self._sublayer_input(state, self.mixer_attn_res, self.mixer_norm, keep_input)
+        x, mixer_input = normed_input(state, self.mixer_attn_res, self.mixer_norm, keep_input)
         if self.layer_type == "linear_attention":
             x = self.mixer(x, cache=cache, packed=packed, token_mask=token_mask, shard=shard)
         else:
@@ -421,7 +433,7 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
                            shard=shard)
         state = state.add(x, close_block=self.close_block_after_mixer)
 
-        x = self._sublayer_input(state, self.ffn_attn_res, self.ffn_norm, keep_input=False)[0]
+        x = normed_input(state, self.ffn_attn_res, self.ffn_norm, keep_input=False)[0]
         router_logits = aux_loss = None
         if self.is_moe:
             x, router_logits, aux_loss = self.ffn(x, token_mask=token_mask)
@@ -429,18 +441,6 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
             x = self.ffn(x)
         state = state.add(x, close_block=self.close_block_after_ffn)
         return state.partial, mixer_input, router_logits, aux_loss, *state.completed
-
-    @staticmethod
-    def _sublayer_input(state: ResidualState, depth_attention: DepthAttention | None, norm: KDAMoERMSNorm,
-                        keep_input: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`(norm(h), h or None)` for the sublayer input h read from `state`. Depth attention and a plain norm (no
-        hooks, which the fused op would bypass) run as one op, which never writes h nor keeps it for the backward
-        (h is None then, unless `keep_input`)."""
-        plain = type(norm) is KDAMoERMSNorm and not (norm._forward_hooks or norm._forward_pre_hooks)
-        if depth_attention is not None and plain and not keep_input:
-            return depth_attention(state.sources(), norm=(norm.weight, norm.eps)), None
-        h = state.read(depth_attention)
-        return norm(h), h
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -644,7 +644,8 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         if isinstance(cache, KDAMoECache):
             cache.num_seen_tokens += seq_len
 
-        hidden_states = self.norm(ResidualState(tuple(completed), partial).read(self.final_attn_res))
+        hidden_states = normed_input(ResidualState(tuple(completed), partial), self.final_attn_res, self.norm,
+                                     keep_input=False)[0]
         if output_hidden_states:
             all_hidden_states.append(hidden_states)
         output = KDAMoEModelOutputWithPast(
