@@ -159,7 +159,11 @@ class DepthAttention(nn.Module):
         number of its named parameters."""
         sources = tuple(sources)
         if norm is not None and not _use_kernels(backend, sources):
-            return rms_norm(self(sources, backend), norm[0], norm[1], backend)
+            return rms_norm(self._mix(sources, backend, None), norm[0], norm[1], backend)
+        return self._mix(sources, backend, norm)
+
+    def _mix(self, sources: tuple[torch.Tensor, ...], backend: str | None,
+             norm: tuple[torch.Tensor, float] | None) -> torch.Tensor:
         params = (self.query, self.key_norm_weight) + ((norm[0],) if norm is not None else ())
         if torch.is_grad_enabled() and any(t.requires_grad for t in (*params, *sources)):
             return _DepthAttentionFunction.apply(self.query, self.key_norm_weight, None if norm is None else norm[0],
