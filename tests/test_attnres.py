@@ -149,6 +149,38 @@ def test_kernels_match_the_torch_path_and_float64(small_tiles, monkeypatch, hold
 
 
 @kernel_test
+@pytest.mark.parametrize("hold", [True, False])
+@pytest.mark.parametrize("S,B,T,D", [case for case in KERNEL_CASES if case[3] > 1])  # a norm over 1 value: sign(h)
+def test_kernels_with_the_norm_match_float64(small_tiles, monkeypatch, hold, S, B, T, D):
+    """``norm=(weight, eps)``: RMSNorm of the mix in the same kernels (the mix recomputed in the backward, never kept)
+    against the float64 formula followed by RMSNorm, output and every gradient, the norm weight's included; and the
+    torch path (the two ops apart) alike."""
+    if not hold:
+        monkeypatch.setattr(attnres_triton, "HOLD_REGISTERS", 0)
+    module, sources = make(S, B, T, D, seed=S)
+    mod, ours = on_dev(module, sources)
+    weight64 = (1 + 0.3 * torch.randn(D, dtype=torch.float64)).requires_grad_()
+    weight = weight64.detach().to(DEV, torch.float32).requires_grad_()
+    mix = naive_depth_attention(sources, module.query, module.key_norm_weight, module.eps)
+    ref = mix * torch.rsqrt(mix.pow(2).mean(-1, keepdim=True) + 1e-5) * weight64
+    cot = torch.randn(ref.shape, dtype=torch.float64)
+    params = [*ours, mod.query, mod.key_norm_weight, weight]
+    want = torch.autograd.grad(ref, [*sources, module.query, module.key_norm_weight, weight64], cot)
+    for backend in ("triton", "torch"):
+        out = mod(ours, backend=backend, norm=(weight, 1e-5))
+        assert out.dtype == torch.float32 and rel(out, ref) < 1e-5, backend
+        got = torch.autograd.grad(out, params, cot.to(DEV, torch.float32))
+        for name, g, w in zip([f"source{s}" for s in range(S)] + ["query", "key_norm_weight", "norm"], got, want):
+            assert g.shape == w.shape and g.dtype == torch.float32, (backend, name)
+            if w.norm() > 1e-9:
+                assert rel(g, w) < 1e-4, (backend, name, rel(g, w))
+            else:
+                assert (g.abs() < 1e-5).all(), (backend, name)
+    with torch.no_grad():
+        assert rel(mod(ours, backend="triton", norm=(weight, 1e-5)), ref) < 1e-5
+
+
+@kernel_test
 def test_kernels_write_only_the_gradients_autograd_needs(small_tiles):
     module, sources = make(5, 2, 3, 40)
     mod, ours = on_dev(module, sources)
@@ -233,3 +265,35 @@ print("ok")
 """
     res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-3000:]
+
+
+@kernel_test
+@pytest.mark.parametrize("mode", ["block_attnres", "full_attnres"])
+def test_model_with_depth_attention_and_norm_in_one_op_equals_the_two_ops(small_tiles, monkeypatch, mode):
+    """A Block / Full AttnRes model whose depth attention runs on the kernels: with each sublayer's norm fused into
+    them (the default) its loss, every parameter gradient and the hidden states equal those of the two ops apart (a
+    hook on every norm turns the fusion off, as any hook does)."""
+    from conftest import tiny_model
+
+    model = tiny_model(residual_mode=mode, attnres_block_layers=2).to(DEV)
+    monkeypatch.setattr(attnres, "_use_kernels", lambda backend, sources: True)
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), device=DEV)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    fused, fused_grads = run()
+    hidden = model(input_ids=ids, output_hidden_states=True).hidden_states
+    norms = [m for m in model.modules() if type(m).__name__ == "KDAMoERMSNorm"]
+    handles = [m.register_forward_hook(lambda *args: None) for m in norms]
+    apart, apart_grads = run()
+    hidden_apart = model(input_ids=ids, output_hidden_states=True).hidden_states
+    for handle in handles:
+        handle.remove()
+    assert rel(fused, apart) < 1e-6 and fused_grads.keys() == apart_grads.keys()
+    for name, grad in fused_grads.items():
+        assert rel(grad, apart_grads[name]) < 1e-4, name
+    assert len(hidden) == len(hidden_apart) and all(rel(a, b) < 1e-6 for a, b in zip(hidden, hidden_apart))

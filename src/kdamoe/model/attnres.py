@@ -11,7 +11,9 @@ covers the standard residual (`x + f(norm(x))`) so the decoder layer has one cod
 
 The sources are separate tensors, never stacked: `depth_attention` reads each once in the forward and keeps only
 references to them and three `[S, B, T]` fp32 statistics for the backward, so a sublayer's depth attention costs
-no copy of the sources (a stacked fp32 copy per sublayer would cost S times the residual stream's memory).
+no copy of the sources (a stacked fp32 copy per sublayer would cost S times the residual stream's memory). With
+``norm=(weight, eps)`` the kernels also apply the sublayer's RMSNorm, so the mix h itself is neither written nor kept
+for the backward, which recomputes it from the sources.
 
 Dispatch: the Triton kernels of `attnres_triton.py` (each pass reads every source once; the torch code here reads
 each about 5 times through fp32 temporaries) for CUDA sources when triton imports and the kernels take them (at most
@@ -27,7 +29,7 @@ import torch
 from torch import nn
 
 from .attnres_triton import depth_attention_bwd, depth_attention_fwd, unsupported
-from .fused_norm import use_triton
+from .fused_norm import rms_norm, use_triton
 
 
 def _wide(x):
@@ -87,37 +89,48 @@ def _backward_torch(dout, sources, u, logits, rstd, weights, needs_grad):
     return du, dsources
 
 
-def _depth_attention_forward(query, key_norm_weight, eps, backend, sources):
-    """``(out, kernels, logits, rstd, weights, sources)``: the forward of both paths and what the backward needs."""
+def _depth_attention_forward(query, key_norm_weight, eps, backend, sources, norm=None):
+    """``(out, kernels, logits, rstd, weights, rstd_h, sources)``: the forward of both paths and what the backward
+    needs. ``norm = (weight, eps)`` (the kernels only): out is ``RMSNorm_weight(h)`` of the mix h, rstd_h its
+    statistic; else rstd_h is None."""
     u = _wide(query) * _wide(key_norm_weight)  # [D]: w · (γ ⊙ x) = (w ⊙ γ) · x
     kernels = _use_kernels(backend, sources)
     if kernels:
         sources = tuple(v.contiguous() for v in sources)  # a copy only for a non-contiguous source
-        out, logits, rstd, weights = depth_attention_fwd(sources, u, eps)
+        out, logits, rstd, weights, rstd_h = depth_attention_fwd(sources, u, eps, norm)
     else:
         out, logits, rstd, weights = _forward_torch(sources, u, eps)
-    return out, kernels, logits, rstd, weights, sources
+        rstd_h = None
+    return out, kernels, logits, rstd, weights, rstd_h, sources
 
 
 class _DepthAttentionFunction(torch.autograd.Function):
-    """``Σ_s softmax_s(logit_s) V_s`` with ``logit_s = RMSNorm_γ(V_s) · w``; saves the sources by reference."""
+    """``Σ_s softmax_s(logit_s) V_s`` with ``logit_s = RMSNorm_γ(V_s) · w``, or with a norm weight (the kernels only)
+    ``RMSNorm_weight`` of it; saves the sources by reference (and never the mix h)."""
 
     @staticmethod
-    def forward(ctx, query, key_norm_weight, eps, backend, *sources):
-        out, ctx.kernels, logits, rstd, weights, sources = _depth_attention_forward(
-            query, key_norm_weight, eps, backend, sources)
-        ctx.save_for_backward(query, key_norm_weight, logits, rstd, weights, *sources)
+    def forward(ctx, query, key_norm_weight, norm_weight, eps, norm_eps, backend, *sources):
+        norm = None if norm_weight is None else (norm_weight, norm_eps)
+        out, ctx.kernels, logits, rstd, weights, rstd_h, sources = _depth_attention_forward(
+            query, key_norm_weight, eps, backend, sources, norm)
+        ctx.norm_eps = norm_eps
+        ctx.save_for_backward(query, key_norm_weight, norm_weight, rstd_h, logits, rstd, weights, *sources)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        query, gamma, logits, rstd, weights, *sources = ctx.saved_tensors
+        query, gamma, norm_weight, rstd_h, logits, rstd, weights, *sources = ctx.saved_tensors
         u = _wide(query) * _wide(gamma)
-        backward = depth_attention_bwd if ctx.kernels else _backward_torch
-        du, dsources = backward(dout, sources, u, logits, rstd, weights, ctx.needs_input_grad[4:])
+        needs = ctx.needs_input_grad[6:]
+        if ctx.kernels:
+            norm = None if norm_weight is None else (norm_weight, ctx.norm_eps)
+            du, dsources, dnorm = depth_attention_bwd(dout, sources, u, logits, rstd, weights, needs, norm, rstd_h)
+        else:
+            (du, dsources), dnorm = _backward_torch(dout, sources, u, logits, rstd, weights, needs), None
         dquery = (du * _wide(gamma)).to(query.dtype) if ctx.needs_input_grad[0] else None
         dgamma = (du * _wide(query)).to(gamma.dtype) if ctx.needs_input_grad[1] else None
-        return dquery, dgamma, None, None, *dsources
+        dnorm = dnorm.to(norm_weight.dtype) if dnorm is not None and ctx.needs_input_grad[2] else None
+        return dquery, dgamma, dnorm, None, None, None, *dsources
 
 
 class DepthAttention(nn.Module):
@@ -135,15 +148,27 @@ class DepthAttention(nn.Module):
         u = _wide(self.query) * _wide(self.key_norm_weight)
         return _source_logits(tuple(sources), u, self.eps)[0].softmax(dim=0)
 
-    def forward(self, sources: Sequence[torch.Tensor], backend: str | None = None) -> torch.Tensor:
-        """``backend``: None (Triton kernels for CUDA sources they take), ``"torch"`` or ``"triton"``.
+    def forward(self, sources: Sequence[torch.Tensor], backend: str | None = None,
+                norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+        """``backend``: None (Triton kernels for CUDA sources they take), ``"torch"`` or ``"triton"``. ``norm =
+        (weight [D], eps)``: return ``rms_norm(out, weight, eps)`` instead, in one kernel with the mix each way when
+        the kernels run (the mix is then never written nor kept for the backward), else as a separate op.
 
         Without gradients the forward runs outside the `autograd.Function`: nothing is saved, and torch.compile,
         which inlines such a call, binds the `*sources` of its forward wrongly when their count matches the
         number of its named parameters."""
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (self.query, self.key_norm_weight, *sources)):
-            return _DepthAttentionFunction.apply(self.query, self.key_norm_weight, self.eps, backend, *sources)
-        return _depth_attention_forward(self.query, self.key_norm_weight, self.eps, backend, tuple(sources))[0]
+        sources = tuple(sources)
+        if norm is not None and not _use_kernels(backend, sources):
+            return rms_norm(self._mix(sources, backend, None), norm[0], norm[1], backend)
+        return self._mix(sources, backend, norm)
+
+    def _mix(self, sources: tuple[torch.Tensor, ...], backend: str | None,
+             norm: tuple[torch.Tensor, float] | None) -> torch.Tensor:
+        params = (self.query, self.key_norm_weight) + ((norm[0],) if norm is not None else ())
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (*params, *sources)):
+            return _DepthAttentionFunction.apply(self.query, self.key_norm_weight, None if norm is None else norm[0],
+                                                 self.eps, None if norm is None else norm[1], backend, *sources)
+        return _depth_attention_forward(self.query, self.key_norm_weight, self.eps, backend, sources, norm)[0]
 
 
 @dataclass

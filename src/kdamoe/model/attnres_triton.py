@@ -10,6 +10,10 @@ Both compute what ``_DepthAttentionFunction``'s torch code computes, per token r
   rstd_s² logit_s / D``; ``dv_s = w_s dout + a_s u − c_s v_s`` for the sources that need it, and ``du = Σ_rows Σ_s
   a_s v_s``, which each program of a persistent grid sums over its tiles in fp32 registers and stores as one row of
   a ``[P, D]`` buffer, reduced in torch after (deterministic, no atomics).
+- with NORM, the sublayer's RMSNorm in the same kernels: the forward stores ``RMSNorm_w(h)`` of the mix h (h stays
+  in registers) and h's ``[rows]`` rstd; the backward recomputes ``h = Σ_s w_s v_s`` from the sources it holds,
+  turns the incoming gradient into h's (``rstd (w ⊙ dy − ĥ mean(ĥ ⊙ w ⊙ dy))``, ``ĥ = h·rstd``) and sums the norm
+  weight's gradient ``Σ_rows dy ⊙ ĥ`` per program as ``du``.
 
 The sources are ``MAX_SOURCES`` separate pointer arguments (no stacked copy; the unused ones are the first source's
 pointer), S a constexpr: the loops over sources are unrolled (``tl.static_range``) and each S compiles its own
@@ -26,7 +30,7 @@ memory round trip); 12 backward programs per SM, so that a register-limited resi
 per SM runs them in whole waves. Compiled for sm_90 (triton 3.6, bf16, no spills unless said), registers forward /
 backward: D = 1024: 32 / 48 at S = 2, 57 / 80 at S = 6, 73 / 127 at S = 9, 116 / 234 at S = 16; D = 2048, S = 6: 58
 / 83; D = 4096, S = 6: 83 / 125; D = 8192, S = 6 or D >= 2048, S = 16: the 128 cap of 16 warps, with 48-984 bytes of
-spills.
+spills. With NORM (triton 3.9), D = 1024: 40 / 64 at S = 2, 57 / 104 at S = 5, 75 / 128 at S = 9, no spills.
 """
 
 import torch
@@ -102,9 +106,11 @@ if triton is not None:
 
     @triton.jit
     def _fwd_kernel(V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11, V12, V13, V14, V15,
-                    U, OUT, LOGITS, RSTD, WEIGHTS, R, D, eps,
-                    S: tl.constexpr, HOLD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-        """One tile of rows: out, and the [S, R] logits, rstd and weights (source s at s·R + row)."""
+                    U, OUT, LOGITS, RSTD, WEIGHTS, NW, RSTD_H, R, D, eps, norm_eps,
+                    S: tl.constexpr, NORM: tl.constexpr, HOLD: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+        """One tile of rows: out, and the [S, R] logits, rstd and weights (source s at s·R + row); with NORM out is
+        RMSNorm_NW(h) of the mix h, whose [R] rstd goes to RSTD_H."""
         V = (V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11, V12, V13, V14, V15)
         rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
         cols = tl.arange(0, BLOCK_D)
@@ -128,7 +134,12 @@ if triton is not None:
                 acc = acc * alpha[:, None] + p[:, None] * v
                 l = l * alpha + p
                 m = m_new
-        tl.store(OUT + offs, (acc / l[:, None]).to(OUT.dtype.element_ty), mask=mask)
+        out = acc / l[:, None]
+        if NORM:  # h stays in registers: only the normalised row is written
+            rstd_h = tl.rsqrt(tl.sum(out * out, axis=1) / D + norm_eps)
+            out = out * rstd_h[:, None] * tl.load(NW + cols, mask=m_d, other=0.0).to(tl.float32)[None, :]
+            tl.store(RSTD_H + rows, rstd_h, mask=m_r)
+        tl.store(OUT + offs, out.to(OUT.dtype.element_ty), mask=mask)
         stat = rows
         for s in tl.static_range(S):
             tl.store(LOGITS + stat, logits[s], mask=m_r)
@@ -139,11 +150,13 @@ if triton is not None:
     @triton.jit
     def _bwd_kernel(V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11, V12, V13, V14, V15,
                     DV0, DV1, DV2, DV3, DV4, DV5, DV6, DV7, DV8, DV9, DV10, DV11, DV12, DV13, DV14, DV15,
-                    U, DOUT, LOGITS, RSTD, WEIGHTS, DU, R, D, n_tiles,
-                    S: tl.constexpr, NEEDS: tl.constexpr, HOLD: tl.constexpr,
+                    U, DOUT, LOGITS, RSTD, WEIGHTS, DU, NW, RSTD_H, DNW, R, D, n_tiles,
+                    S: tl.constexpr, NEEDS: tl.constexpr, NORM: tl.constexpr, HOLD: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
         """Persistent: tiles pid, pid + P, ...; dv_s for the sources whose bit is set in NEEDS; this program's
-        Σ_rows Σ_s a_s v_s goes to row pid of DU [P, D]."""
+        Σ_rows Σ_s a_s v_s goes to row pid of DU [P, D]. With NORM, DOUT is the gradient of RMSNorm_NW(h): h = Σ_s
+        w_s v_s is recomputed from the tile's sources, taken through the norm's backward, and this program's
+        Σ_rows dout ⊙ h·rstd_h goes to row pid of DNW [P, D]."""
         V = (V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11, V12, V13, V14, V15)
         DV = (DV0, DV1, DV2, DV3, DV4, DV5, DV6, DV7, DV8, DV9, DV10, DV11, DV12, DV13, DV14, DV15)
         pid = tl.program_id(0)
@@ -151,6 +164,9 @@ if triton is not None:
         m_d = cols < D
         u = tl.load(U + cols, mask=m_d, other=0.0)[None, :]
         du = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        dnw = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        if NORM:
+            nw = tl.load(NW + cols, mask=m_d, other=0.0).to(tl.float32)[None, :]
         for tile in range(pid, n_tiles, tl.num_programs(0)):
             rows = (tile * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
             m_r = rows < R
@@ -164,6 +180,15 @@ if triton is not None:
                 rstd = rstd + (tl.load(RSTD + stat, mask=m_r, other=0.0),)
                 logit = logit + (tl.load(LOGITS + stat, mask=m_r, other=0.0),)
                 stat += R
+            if NORM:  # dout = ∂L/∂h through h -> h·rstd_h·nw, with h recomputed from the sources and weights
+                h = w[0][:, None] * _load(V, 0, held, offs, mask, HOLD)
+                for s in tl.static_range(1, S):
+                    h += w[s][:, None] * _load(V, s, held, offs, mask, HOLD)
+                rstd_h = tl.load(RSTD_H + rows, mask=m_r, other=0.0)[:, None]
+                xh = h * rstd_h
+                dnw += dout * xh
+                gdn = dout * nw
+                dout = rstd_h * (gdn - xh * (tl.sum(xh * gdn, axis=1) / D)[:, None])
             wgs, wg = (), tl.zeros([BLOCK_R], tl.float32)
             for s in tl.static_range(S):
                 wgs = wgs + (w[s] * tl.sum(dout * _load(V, s, held, offs, mask, HOLD), axis=1),)  # w_s g_s
@@ -178,27 +203,34 @@ if triton is not None:
                     dv = w[s][:, None] * dout + a * u - c * v
                     tl.store(DV[s] + offs, dv.to(DV[s].dtype.element_ty), mask=mask)
         tl.store(DU + pid * D + cols, tl.sum(du, axis=0), mask=m_d)
+        if NORM:
+            tl.store(DNW + pid * D + cols, tl.sum(dnw, axis=0), mask=m_d)
 
 
-def depth_attention_fwd(sources, u, eps):
-    """``(out [..., D], logits, rstd, weights [S, ...] fp32)`` of contiguous sources of one shape ``[..., D]``, dtype
-    and device (``unsupported`` is None), ``u = query ⊙ γ`` ``[D]``."""
+def depth_attention_fwd(sources, u, eps, norm=None):
+    """``(out [..., D], logits, rstd, weights [S, ...] fp32, rstd_h [...] fp32 or None)`` of contiguous sources of one
+    shape ``[..., D]``, dtype and device (``unsupported`` is None), ``u = query ⊙ γ`` ``[D]``. ``norm = (weight [D],
+    eps)``: out is ``RMSNorm_weight(h)`` of the mix h (never written), and rstd_h its ``rsqrt(mean(h²) + eps)``."""
     s0, S = sources[0], len(sources)
     R, D = s0.numel() // s0.shape[-1], s0.shape[-1]
     out = torch.empty_like(s0)
     logits, rstd, weights = (torch.empty(S, *s0.shape[:-1], dtype=torch.float32, device=s0.device)
                              for _ in range(3))
+    rstd_h = torch.empty(s0.shape[:-1], dtype=torch.float32, device=s0.device) if norm is not None else None
     block_r, block_d, num_warps, hold = _launch(sources, LAUNCH["fwd"])
     if R:
         _fwd_kernel[(triton.cdiv(R, block_r),)](
-            *_padded(sources), u.float().contiguous(), out, logits, rstd, weights, R, D, eps,
-            S=S, HOLD=hold, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
-    return out, logits, rstd, weights
+            *_padded(sources), u.float().contiguous(), out, logits, rstd, weights,
+            norm[0].contiguous() if norm is not None else u, rstd_h if norm is not None else logits, R, D, eps,
+            norm[1] if norm is not None else 0.0, S=S, NORM=norm is not None, HOLD=hold, BLOCK_R=block_r,
+            BLOCK_D=block_d, num_warps=num_warps)
+    return out, logits, rstd, weights, rstd_h
 
 
-def depth_attention_bwd(dout, sources, u, logits, rstd, weights, needs_grad):
-    """``(du [D] fp32, [dv_s or None])`` from the sources and statistics of ``depth_attention_fwd``; ``dv_s`` (in the
-    sources' dtype) only where ``needs_grad[s]``."""
+def depth_attention_bwd(dout, sources, u, logits, rstd, weights, needs_grad, norm=None, rstd_h=None):
+    """``(du [D] fp32, [dv_s or None], dnorm_weight [D] fp32 or None)`` from the sources and statistics of
+    ``depth_attention_fwd``; ``dv_s`` (in the sources' dtype) only where ``needs_grad[s]``. With ``norm`` (and its
+    ``rstd_h``), ``dout`` is the gradient of the normalised output."""
     s0, S = sources[0], len(sources)
     R, D = s0.numel() // s0.shape[-1], s0.shape[-1]
     dsources = [torch.empty_like(v) if need else None for v, need in zip(sources, needs_grad)]
@@ -208,8 +240,11 @@ def depth_attention_bwd(dout, sources, u, logits, rstd, weights, needs_grad):
     n_tiles = triton.cdiv(R, block_r)
     programs = persistent_programs(s0.device, n_tiles, per_sm=cfg["programs_per_sm"])
     du = torch.empty(programs, D, dtype=torch.float32, device=s0.device)
+    dnw = torch.empty(programs, D, dtype=torch.float32, device=s0.device) if norm is not None else None
     _bwd_kernel[(programs,)](
         *_padded(sources), *_padded(targets), u.float().contiguous(), dout.contiguous(), logits, rstd, weights, du,
-        R, D, n_tiles, S=S, NEEDS=sum(1 << s for s, need in enumerate(needs_grad) if need), HOLD=hold,
+        norm[0].contiguous() if norm is not None else du, rstd_h if norm is not None else logits,
+        dnw if norm is not None else du, R, D, n_tiles,
+        S=S, NEEDS=sum(1 << s for s, need in enumerate(needs_grad) if need), NORM=norm is not None, HOLD=hold,
         BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
-    return du.sum(0), dsources
+    return du.sum(0), dsources, dnw.sum(0) if dnw is not None else None

@@ -368,6 +368,18 @@ class KDAMoEAttention(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def normed_input(state: ResidualState, depth_attention: DepthAttention | None, norm: KDAMoERMSNorm,
+                 keep_input: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`(norm(h), h or None)` for the input h that `state` gives a sublayer (or the final norm). Depth attention and a
+    plain norm (no hooks, which the fused op would bypass) run as one op, which never writes h nor keeps it for the
+    backward (h is None then, unless `keep_input`)."""
+    plain = type(norm) is KDAMoERMSNorm and not (norm._forward_hooks or norm._forward_pre_hooks)
+    if depth_attention is not None and plain and not keep_input:
+        return depth_attention(state.sources(), norm=(norm.weight, norm.eps)), None
+    h = state.read(depth_attention)
+    return norm(h), h
+
+
 class KDAMoEDecoderLayer(GradientCheckpointingLayer):
     """`mixer` (KDA or attention) then `ffn` (dense MLP or MoE), each a PreNorm sublayer whose input comes from the
     residual stream or from depth attention over block sources (`residual_mode`)."""
@@ -404,15 +416,16 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
         token_mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         shard: RowShard | None = None,
+        keep_input: bool = True,
     ):
         """`partial: [B, T, D] | None` and the `completed` sources, each `[B, T, D]` (see `ResidualState`; passed as
         positional tensors so that gradient checkpointing sees them); `positions`: the new tokens' places in a static
         cache; `shard`: this rank's part of context-parallel rows. Returns the new partial sum, the mixer input
-        `[B, T, D]` (this layer's hidden state), the router logits `[B*T, E]` and the auxiliary loss (MoE layers; None
+        `[B, T, D]` (this layer's hidden state; None unless `keep_input` where depth attention and the norm run as
+        one op, which never forms it), the router logits `[B*T, E]` and the auxiliary loss (MoE layers; None
         otherwise), then the new completed sources."""
         state = ResidualState(completed, partial)
-        mixer_input = state.read(self.mixer_attn_res)
-        x = self.mixer_norm(mixer_input)
+        x, mixer_input = normed_input(state, self.mixer_attn_res, self.mixer_norm, keep_input)
         if self.layer_type == "linear_attention":
             x = self.mixer(x, cache=cache, packed=packed, token_mask=token_mask, shard=shard)
         else:
@@ -420,7 +433,7 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
                            shard=shard)
         state = state.add(x, close_block=self.close_block_after_mixer)
 
-        x = self.ffn_norm(state.read(self.ffn_attn_res))
+        x = normed_input(state, self.ffn_attn_res, self.ffn_norm, keep_input=False)[0]
         router_logits = aux_loss = None
         if self.is_moe:
             x, router_logits, aux_loss = self.ffn(x, token_mask=token_mask)
@@ -620,7 +633,7 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         for layer in self.layers:
             partial, layer_input, router_logits, aux_loss, *completed = layer(
                 partial, *completed, attention_mask=mask, cache=cache, packed=packed, token_mask=token_mask,
-                positions=positions, shard=shard,
+                positions=positions, shard=shard, keep_input=output_hidden_states,
             )
             if output_hidden_states:
                 all_hidden_states.append(layer_input)
@@ -631,7 +644,8 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         if isinstance(cache, KDAMoECache):
             cache.num_seen_tokens += seq_len
 
-        hidden_states = self.norm(ResidualState(tuple(completed), partial).read(self.final_attn_res))
+        hidden_states = normed_input(ResidualState(tuple(completed), partial), self.final_attn_res, self.norm,
+                                     keep_input=False)[0]
         if output_hidden_states:
             all_hidden_states.append(hidden_states)
         output = KDAMoEModelOutputWithPast(
