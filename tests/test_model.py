@@ -290,3 +290,27 @@ def test_fused_input_projections_equal_the_modules_and_never_bypass_an_adapter()
     handle.remove()
     assert (hooked - before).abs().max() > 1e-3
     torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
+
+
+def test_under_autocast_the_kda_op_gets_the_autocast_dtype(monkeypatch):
+    """q, k, v reach the KDA op in the autocast dtype (the conv's fp32 taps cast as `F.conv1d` casts them), not
+    promoted to fp32; the loss stays within bf16 error of fp32, and the taps' gradient is fp32."""
+    from kdamoe.model import modeling_kdamoe
+
+    seen, chunk = [], modeling_kdamoe.chunk_kda
+
+    def recording(q, k, v, *args, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return chunk(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_kdamoe, "chunk_kda", recording)
+    model = tiny_model()
+    ids = torch.randint(0, model.config.vocab_size, (2, 64))
+    reference = float(model(input_ids=ids, labels=ids).loss)
+    seen.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert seen and all(dtypes == (torch.bfloat16,) * 3 for dtypes in seen)
+    assert abs(float(loss) - reference) < 0.02 * reference
+    assert model.model.layers[0].mixer.conv_weight.grad.dtype == torch.float32

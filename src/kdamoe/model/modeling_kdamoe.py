@@ -205,7 +205,7 @@ class KDAMoEKimiDeltaAttention(nn.Module):
         # packed documents of all rows run as one flattened varlen sequence
         flat = (lambda t: t.reshape(1, batch * seq_len, *t.shape[2:])) if packed is not None else (lambda t: t)
         if not decoding and shard is None and conv_kda_in_one_function(qkv):  # keeps qkv for the backward, not q, k, v
-            o, state = conv_chunk_kda(qkv, self.conv_weight, flat(g_raw), flat(beta), h,
+            o, state = conv_chunk_kda(qkv, self._conv_weight(qkv), flat(g_raw), flat(beta), h,
                                       packed.cu_seqlens if packed is not None else None, cu_seqlens, **kda_kwargs)
         else:
             o, state = self._conv_and_kda(qkv, g_raw, beta, layer_cache, packed, shard, flat, kda_kwargs)
@@ -220,6 +220,13 @@ class KDAMoEKimiDeltaAttention(nn.Module):
             cache.update_recurrent_state(state.float(), self.layer_idx)
         return self._output(o, out_gate)
 
+    def _conv_weight(self, x: torch.Tensor) -> torch.Tensor:
+        """The conv taps in the autocast dtype under autocast (as `F.conv1d` runs there), so that q, k, v reach the
+        KDA kernels in it rather than promoted to the fp32 of the weight; else as stored."""
+        if torch.is_autocast_enabled(x.device.type):
+            return self.conv_weight.to(torch.get_autocast_dtype(x.device.type))
+        return self.conv_weight
+
     def _conv_and_kda(self, qkv, g_raw, beta, layer_cache, packed, shard, flat, kda_kwargs):
         """The conv + SiLU, the q/k L2 norm and the KDA op as separate ops (decoding, context parallelism, the CPU,
         inference, tracing): `(o, final state or None)`, both as the op returns them (`flat` rows when packed)."""
@@ -227,11 +234,11 @@ class KDAMoEKimiDeltaAttention(nn.Module):
         h, k = self.num_heads, self.head_dim
         cu_seqlens = packed.cu_seqlens_device if packed is not None else None
         if shard is not None:  # the previous rank's last inputs lead each row
-            mixed = short_conv_silu(shard.conv_input(qkv), self.conv_weight, cu_seqlens=shard.conv_cu_seqlens)
+            mixed = short_conv_silu(shard.conv_input(qkv), self._conv_weight(qkv), cu_seqlens=shard.conv_cu_seqlens)
             mixed = mixed[:, self.conv_size - 1:]
         else:
             context = layer_cache.conv_states[0][..., 1:].transpose(1, 2) if layer_cache is not None else None
-            mixed = short_conv_silu(qkv, self.conv_weight, cu_seqlens=cu_seqlens, context=context)
+            mixed = short_conv_silu(qkv, self._conv_weight(qkv), cu_seqlens=cu_seqlens, context=context)
         q, key, v = (t.view(batch, seq_len, h, k) for t in mixed.split(h * k, dim=-1))
         # q, k L2-normalised per head; v copied out, so that what the op keeps holds no view of the whole conv output
         q, key, v = l2norm(q), l2norm(key), v.contiguous()
