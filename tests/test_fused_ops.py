@@ -161,11 +161,11 @@ def test_kda_layer_in_one_function_equals_the_separate_ops(monkeypatch, use_cach
 
     torch.manual_seed(0)
     config = tiny_config(kda_head_dim=16, router_balancing="none", mlp_layer_types=["dense"] * 4)
-    model = kdamoe.KDAMoEForCausalLM(config).train()
+    model = kdamoe.KDAMoEForCausalLM(config).to(DEV).train()
     if checkpointing:  # transformers >= 5.2x calls it `activation_checkpointing_enable`; 5.17 the older name
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
-    ids = torch.randint(3, 97, (2, 70))
-    positions = torch.cat([torch.arange(30), torch.arange(40)]).repeat(2, 1)
+    ids = torch.randint(3, 97, (2, 70)).to(DEV)
+    positions = torch.cat([torch.arange(30), torch.arange(40)]).repeat(2, 1).to(DEV)
     for kwargs in ({}, {"position_ids": positions}):
         runs = []
         for one_function in (False, True):

@@ -517,8 +517,8 @@ def test_gpu_solve_of_correlated_keys_is_exact_to_its_bf16_storage():
     beta = torch.rand(NC * 64, H, generator=gen) * 0.2 + 0.8
     g = -5 * torch.sigmoid(torch.randn(NC * 64, H, K, generator=gen) - 6)  # little decay: A_kk far from 0
     q, k, v, g, beta = (x.to(DEV, torch.bfloat16) for x in (k, k, k, g, beta))
-    tables = kda_launch.chunk_tables(1, NC * 64, None, DEV)
-    gate = kda_chunk.gate_args(0, None, None, 0.0, H, K, DEV)
+    tables = kda_launch.chunk_tables(1, NC * 64, None, torch.device(DEV))
+    gate = kda_chunk.gate_args(0, None, None, 0.0, H, K, torch.device(DEV))
     z = dict(device=DEV, dtype=torch.bfloat16)
     buf = kda_chunk_fwd.ChunkBuffers(
         aqk=torch.zeros(NC * 64, H, 64, **z), tinv=torch.zeros(NC * 64, H, 64, **z), w=torch.zeros(NC * 64, H, K, **z),
