@@ -218,6 +218,31 @@ def test_kernels_with_bf16_sources_match_the_fp64_formula():
 
 
 @kernel_test
+@pytest.mark.parametrize("norm", [False, True])
+def test_kernels_take_sources_of_mixed_dtypes(small_tiles, norm):
+    """Under autocast the embedding is fp32 and a block's first sublayer output bf16: the kernels take such sources
+    (not the torch fallback), give the output in the first source's dtype and each source's gradient in its own,
+    within bf16 rounding of the float64 formula of the same values and of the torch path."""
+    module, sources = make(4, 2, 7, 48)
+    mod, ours = on_dev(module, sources)
+    ours = [v.detach().to(torch.bfloat16 if s % 2 else torch.float32).requires_grad_() for s, v in enumerate(ours)]
+    assert attnres_triton.unsupported(ours) is None
+    weight = (1 + 0.3 * torch.randn(48, dtype=torch.float64)).to(DEV, torch.float32)
+    low = [v.detach().double().cpu().requires_grad_() for v in ours]
+    ref = naive_depth_attention(low, module.query, module.key_norm_weight, module.eps)
+    if norm:
+        ref = ref * torch.rsqrt(ref.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double().cpu()
+    cot = torch.randn(ref.shape, dtype=torch.float64)
+    want = torch.autograd.grad(ref, low, cot)
+    outs = {b: mod(ours, backend=b, norm=(weight, 1e-5) if norm else None) for b in ("triton", "torch")}
+    grads = {b: torch.autograd.grad(out, ours, cot.to(DEV, out.dtype)) for b, out in outs.items()}
+    assert outs["triton"].dtype == torch.float32 and rel(outs["triton"], ref) < 1e-5
+    for s, (g, t, w) in enumerate(zip(grads["triton"], grads["torch"], want)):
+        assert g.dtype == ours[s].dtype, s
+        assert rel(g, w) < 1e-2 and rel(g, t) < 1e-2, s
+
+
+@kernel_test
 def test_kernel_dispatch():
     """Non-contiguous sources are copied; what the kernels cannot take falls back to torch, or raises when forced."""
     module, sources = make(3, 2, 5, 24)
@@ -229,7 +254,7 @@ def test_kernel_dispatch():
     assert "MAX_SOURCES" in attnres_triton.unsupported(many)
     with pytest.raises(ValueError, match="MAX_SOURCES"):
         mod(many, backend="triton")
-    with pytest.raises(ValueError, match="dtypes"):
+    with pytest.raises(ValueError, match="dtype torch.float64"):
         mod([ours[0], ours[1].double()], backend="triton")
     with pytest.raises(ValueError, match="backend"):
         mod(ours, backend="cuda")

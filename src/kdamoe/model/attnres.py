@@ -17,8 +17,8 @@ for the backward, which recomputes it from the sources.
 
 Dispatch: the Triton kernels of `attnres_triton.py` (each pass reads every source once; the torch code here reads
 each about 5 times through fp32 temporaries) for CUDA sources when triton imports and the kernels take them (at most
-`MAX_SOURCES` sources of one shape and a 16/32-bit float dtype, rows of at most `MAX_D`), else the torch code, which
-is the reference and the CPU path. `backend="torch" | "triton"` forces one (the tests run the kernels on CPU tensors
+`MAX_SOURCES` sources of one shape, each of a 16/32-bit float dtype, rows of at most `MAX_D`), else the torch code,
+which is the reference and the CPU path. The output takes the first source's dtype. `backend="torch" | "triton"` forces one (the tests run the kernels on CPU tensors
 under `TRITON_INTERPRET=1`).
 """
 

@@ -16,7 +16,8 @@ Both compute what ``_DepthAttentionFunction``'s torch code computes, per token r
   weight's gradient ``Σ_rows dy ⊙ ĥ`` per program as ``du``.
 
 The sources are ``MAX_SOURCES`` separate pointer arguments (no stacked copy; the unused ones are the first source's
-pointer), S a constexpr: the loops over sources are unrolled (``tl.static_range``) and each S compiles its own
+pointer), each of its own dtype (under autocast the embedding is fp32 and a block's first sublayer output bf16), S a
+constexpr: the loops over sources are unrolled (``tl.static_range``) and each S compiles its own
 kernel. A program tile is ``BLOCK_R`` whole rows of ``BLOCK_D`` (next power of 2 of D, up to ``MAX_D``), so each row
 reduction is one ``tl.sum``. With HOLD (a tile's sources fit in ``HOLD_REGISTERS`` per thread) a tile loads all its
 sources, and in the backward its dout and statistics, before the first reduction, so they are in flight together,
@@ -55,12 +56,13 @@ def unsupported(sources):
     s0 = sources[0]
     if len(sources) > MAX_SOURCES:
         return f"{len(sources)} sources, more than MAX_SOURCES = {MAX_SOURCES}"
-    if s0.dtype not in KERNEL_DTYPES:
-        return f"sources of dtype {s0.dtype}"
+    bad = [v.dtype for v in sources if v.dtype not in KERNEL_DTYPES]
+    if bad:
+        return f"sources of dtype {bad[0]}"
     if not 1 <= s0.shape[-1] <= MAX_D:
         return f"rows of {s0.shape[-1]} values (1 to MAX_D = {MAX_D})"
-    if any(v.shape != s0.shape or v.dtype != s0.dtype or v.device != s0.device for v in sources):
-        return "sources of different shapes, dtypes or devices"
+    if any(v.shape != s0.shape or v.device != s0.device for v in sources):
+        return "sources of different shapes or devices"
     return None
 
 
@@ -208,8 +210,8 @@ if triton is not None:
 
 
 def depth_attention_fwd(sources, u, eps, norm=None):
-    """``(out [..., D], logits, rstd, weights [S, ...] fp32, rstd_h [...] fp32 or None)`` of contiguous sources of one
-    shape ``[..., D]``, dtype and device (``unsupported`` is None), ``u = query ⊙ γ`` ``[D]``. ``norm = (weight [D],
+    """``(out [..., D] in the first source's dtype, logits, rstd, weights [S, ...] fp32, rstd_h [...] fp32 or None)`` of
+    contiguous sources of one shape ``[..., D]`` and device (``unsupported`` is None), ``u = query ⊙ γ`` ``[D]``. ``norm = (weight [D],
     eps)``: out is ``RMSNorm_weight(h)`` of the mix h (never written), and rstd_h its ``rsqrt(mean(h²) + eps)``."""
     s0, S = sources[0], len(sources)
     R, D = s0.numel() // s0.shape[-1], s0.shape[-1]

@@ -100,7 +100,7 @@ def _tables_from_cu(cu, num_chunks, device):
     cend = torch.minimum(cstart + CHUNK_SIZE, cu[seq + 1])
     def put(x):
         x = x.to(torch.int32)
-        if x.device != device and device.type == "cuda":  # a pinned copy: the host does not wait for it
+        if x.device.type == "cpu" and device.type == "cuda":  # a pinned copy: the host does not wait for it
             x = x.pin_memory()
         return x.to(device, non_blocking=True)
 
