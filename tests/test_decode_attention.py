@@ -62,14 +62,14 @@ def test_supported_shapes_and_errors():
 
 @kernel_test
 def test_model_decode_step_through_the_kernel_equals_sdpa(monkeypatch):
-    """A hybrid model's cached decode steps with the attention layers through `decode_attention` (forced on the
-    CPU, every cache length) equal the same steps through the reference attention."""
+    """A hybrid model's cached decode steps with the attention layers through `decode_attention` (forced at every
+    cache length) equal the same steps through the reference attention."""
     import kdamoe
     from conftest import cache_of, tiny_config
 
     torch.manual_seed(0)
-    model = kdamoe.KDAMoEForCausalLM(tiny_config(head_dim=16, router_balancing="none")).eval()
-    ids = torch.randint(3, 97, (2, 40))
+    model = kdamoe.KDAMoEForCausalLM(tiny_config(head_dim=16, router_balancing="none")).to(DEV).eval()
+    ids = torch.randint(3, 97, (2, 40)).to(DEV)
     runs = []
     for kernel in (False, True):
         monkeypatch.setattr(modeling_kdamoe.KDAMoEAttention, "_split_kv_decode",
