@@ -21,6 +21,7 @@ from kdamoe.model.moe import (
     quantile_balance,
     quantile_fixed_point,
     selection_thresholds,
+    smoothed_bias,
 )
 
 E, K, N = 16, 2, 2048
@@ -191,6 +192,60 @@ def test_block_update_matches_the_exact_fixed_point():
     updated = block.router.bias.clone()
     assert block.apply_balancing() == {}  # statistics were reset: nothing pending, no change
     assert torch.equal(block.router.bias, updated)
+
+
+def _filter_stream(walk, noise, window=16, steps=300, seed=0):
+    """`smoothed_bias` on fixed points = a random walk (step std `walk`) + independent noise (std `noise`), 64
+    experts: (late gain, late squared error of the bias routed with against the centred truth, of replacing)."""
+    gen = torch.Generator().manual_seed(seed)
+    randn = lambda: torch.randn(1, 64, generator=gen, dtype=torch.float64)
+    truth, bias, state, gains, errs, first = torch.zeros(1, 64, dtype=torch.float64), None, torch.zeros(1, 131), [], [], []
+    for t in range(steps):
+        truth = truth + walk * randn()
+        y = truth + noise * randn()
+        y = y - y.mean(-1, keepdim=True)
+        if bias is not None:
+            errs.append(((bias - (truth - truth.mean())) ** 2).mean().item())
+        new, state, gain = smoothed_bias(y, y if bias is None else bias, state, window)
+        if t < 5:
+            first.append(torch.equal(new, y))
+        bias = new
+        gains.append(gain.item())
+    return np.mean(gains[-100:]), np.mean(errs[-100:]), noise**2 + walk**2, all(first)
+
+
+def test_smoothed_bias_takes_the_kalman_gain_of_its_fixed_points():
+    """The filter's gain against the steady-state gain of the local-level Kalman filter, `(-q + sqrt(q² + 4q)) / 2`
+    with q = drift / noise variance: 1 when the fixed points only drift (the bias is the newest fixed point), the
+    Kalman gain in between, `1 / window` when they are only noise; its bias errs less than the newest fixed point
+    would. The first steps (fewer than 4 difference pairs) take the fixed point as it is."""
+    kalman = lambda q: (-q + np.sqrt(q * q + 4 * q)) / 2
+    gain, err, replace, first = _filter_stream(walk=0.1, noise=0.0)
+    assert first and gain > 0.98 and err == pytest.approx(replace, rel=0.3)
+    for walk in (0.02, 0.05, 0.1):
+        gain, err, replace, first = _filter_stream(walk=walk, noise=0.1)
+        assert first and abs(gain - kalman(walk**2 / 0.01)) < 0.08, walk
+        assert err < 0.85 * replace, walk
+    gain, err, replace, _ = _filter_stream(walk=0.0, noise=0.1, window=16)
+    assert gain < 0.15 and err < 0.1 * replace
+
+
+def test_block_with_a_window_averages_the_noise_of_fresh_batches():
+    """`quantile_window` on a block routing fresh batches from one distribution (no optimizer step: no drift): the
+    first steps set the same biases as `quantile_window=1` (gain 1), later the filter averages batches, so the batch
+    each bias routes is better balanced than with the newest fixed point alone."""
+    vios, biases = {}, {}
+    for window in (1, 8):
+        block = dyadic_block(make_config(quantile_window=window))
+        vios[window], biases[window] = [], []
+        for step in range(60):
+            block(dyadic_inputs((2, 32, 32), seed=100 + step))
+            vios[window].append(block.apply_balancing()["max_vio"])
+            biases[window].append(block.router.bias.clone())
+    for step in range(4):
+        torch.testing.assert_close(biases[8][step], biases[1][step], rtol=0, atol=1e-6)
+    assert not torch.allclose(biases[8][-1], biases[1][-1])
+    assert np.mean(vios[8][20:]) < 0.8 * np.mean(vios[1][20:])
 
 
 @pytest.mark.parametrize("group_elements", [1 << 26, 1])

@@ -92,17 +92,32 @@ def test_save_pretrained_folder_loads_offline_without_the_package(tmp_path):
 
 
 def test_router_bias_round_trips_in_process(tmp_path):
+    """The selection bias and the state of its filter (`quantile_window`) load exactly and stay fp32; a checkpoint
+    saved without the filter state loads with a fresh one (zeros), not as an incomplete checkpoint."""
+    from safetensors.torch import save_file
+
     model = kdamoe.KDAMoEForCausalLM(tiny_config())
     with torch.no_grad():
         for layer in model.model.layers:
             if layer.is_moe:
                 layer.ffn.router.bias.uniform_(-0.3, 0.3)
+                layer.ffn.router.bias_filter.uniform_(-0.3, 0.3)
     model.save_pretrained(tmp_path)
     loaded = kdamoe.KDAMoEForCausalLM.from_pretrained(tmp_path)
     for a, b in zip(model.model.layers, loaded.model.layers):
         if a.is_moe:
             torch.testing.assert_close(a.ffn.router.bias, b.ffn.router.bias, rtol=0, atol=0)
-            assert b.ffn.router.bias.dtype == torch.float32
+            torch.testing.assert_close(a.ffn.router.bias_filter, b.ffn.router.bias_filter, rtol=0, atol=0)
+            assert b.ffn.router.bias.dtype == b.ffn.router.bias_filter.dtype == torch.float32
+    older = tmp_path / "without_filter"
+    model.save_pretrained(older)
+    weights = load_file(older / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if not k.endswith("bias_filter")}, older / "model.safetensors",
+              metadata={"format": "pt"})
+    for a, b in zip(model.model.layers, kdamoe.KDAMoEForCausalLM.from_pretrained(older).model.layers):
+        if a.is_moe:
+            torch.testing.assert_close(a.ffn.router.bias, b.ffn.router.bias, rtol=0, atol=0)
+            assert not b.ffn.router.bias_filter.any()
     from transformers import AutoModelForCausalLM
 
     # `import kdamoe` registered the classes: the Auto class finds the local code without trust_remote_code.
@@ -112,7 +127,8 @@ def test_router_bias_round_trips_in_process(tmp_path):
     for a, b in zip(model.model.layers, loaded_bf16.model.layers):
         if a.is_moe:  # the selection bias stays fp32 and exact
             torch.testing.assert_close(a.ffn.router.bias, b.ffn.router.bias, rtol=0, atol=0)
-    assert model.to(torch.bfloat16).model.layers[1].ffn.router.bias.dtype == torch.float32
+    router = model.to(torch.bfloat16).model.layers[1].ffn.router
+    assert router.bias.dtype == router.bias_filter.dtype == torch.float32
 
 
 def test_incomplete_or_corrupt_checkpoint_is_a_clear_error(tmp_path):

@@ -52,6 +52,11 @@ class KDAMoEConfig(PretrainedConfig):
             expert's bias to the k/E quantile of its selection thresholds on the step's logits (rescored for the
             router update just taken); repeating converges to the bias that balances the step's tokens exactly
             (1: one step, which leaves a batch that collapsed onto a few experts at MaxVio of about 0.2-0.3).
+        quantile_window (`int`): W > 1 (default 16): the router bias follows the per-step fixed points through a
+            filter whose gain comes from their own statistics over the last W steps (`moe.smoothed_bias`, state in
+            the router's `bias_filter` buffer): 1 while the router drifts faster than one batch's sampling noise,
+            down to 1/W once it settles, so that the bias averages the noise of up to about W batches. 1: each
+            optimizer step sets the bias to the step's fixed point.
         residual_mode (`str`): `"block_attnres"`, `"full_attnres"` or `"standard"`.
         attnres_block_layers (`int`): decoder layers per Block AttnRes block.
         fuse_linear_cross_entropy (`bool`): in training with `labels`, compute the loss chunk by chunk from the hidden
@@ -91,6 +96,7 @@ class KDAMoEConfig(PretrainedConfig):
         router_aux_loss_coef: float | None = None,
         quantile_num_bins: int = 1000,
         quantile_iterations: int = 4,
+        quantile_window: int = 16,
         output_router_logits: bool = False,
         residual_mode: str = "block_attnres",
         attnres_block_layers: int = 2,
@@ -138,6 +144,7 @@ class KDAMoEConfig(PretrainedConfig):
         self.router_aux_loss_coef = 1e-2 if router_aux_loss_coef is None else router_aux_loss_coef
         self.quantile_num_bins = quantile_num_bins
         self.quantile_iterations = quantile_iterations
+        self.quantile_window = quantile_window
         self.output_router_logits = output_router_logits
         self.residual_mode = residual_mode
         self.attnres_block_layers = attnres_block_layers
@@ -180,7 +187,7 @@ class KDAMoEConfig(PretrainedConfig):
         positive("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "kda_num_heads",
                  "kda_head_dim", "kda_conv_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                  "num_experts", "num_experts_per_tok", "moe_intermediate_size", "attnres_block_layers",
-                 "quantile_num_bins", "quantile_iterations")
+                 "quantile_num_bins", "quantile_iterations", "quantile_window")
         for name, types, allowed in (("layer_types", self.layer_types, LAYER_TYPES),
                                      ("mlp_layer_types", self.mlp_layer_types, MLP_LAYER_TYPES)):
             if len(types) != self.num_hidden_layers:

@@ -468,7 +468,8 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, output_loading_info: bool = False, **kwargs):
         """`PreTrainedModel.from_pretrained`, but an incomplete checkpoint is an error rather than a warning that
-        leaves randomly initialised weights behind (only a causal-LM head over a base-model checkpoint may be new),
+        leaves randomly initialised weights behind (only a causal-LM head over a base-model checkpoint may be new,
+        and the routers' bias filter state of a checkpoint saved without it starts fresh),
         and a damaged weights file is named (safetensors' own message names none)."""
         try:
             model, info = super().from_pretrained(
@@ -481,7 +482,8 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
                 f"{unreadable_weights(pretrained_model_name_or_path)} cannot be read (safetensors: {error}): "
                 "the file is truncated or overwritten"
             ) from error
-        missing = sorted(k for k in info.get("missing_keys", ()) if k != "lm_head.weight")
+        missing = sorted(k for k in info.get("missing_keys", ())
+                         if k != "lm_head.weight" and not k.endswith(".router.bias_filter"))  # zeros: a fresh filter
         if missing:
             shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
             raise ValueError(f"The checkpoint is incomplete: {len(missing)} weights are missing ({shown}).")
@@ -515,6 +517,7 @@ class KDAMoEPreTrainedModel(PreTrainedModel):
         elif isinstance(module, KDAMoERouter):
             init.normal_(module.weight, mean=0.0, std=std)
             init.zeros_(module.bias)
+            init.zeros_(module.bias_filter)
         elif isinstance(module, KDAMoEExperts):
             init.normal_(module.gate_up_proj, mean=0.0, std=std)
             init.normal_(module.down_proj, mean=0.0, std=std)

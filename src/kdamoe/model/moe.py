@@ -422,12 +422,18 @@ class KDAMoERouter(nn.Module):
         self.routed_scaling_factor = config.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         self.register_buffer("bias", torch.zeros(config.num_experts, dtype=torch.float32), persistent=True)
+        # the state of `smoothed_bias` (quantile_window > 1): zeros are a fresh filter (and what a checkpoint without
+        # it loads as)
+        self.register_buffer("bias_filter", torch.zeros(2 * config.num_experts + 3, dtype=torch.float32),
+                             persistent=True)
 
     def _apply(self, fn, recurse=True):
-        """Keep the selection bias in fp32 whatever `.to(dtype)` / `.bfloat16()` does to the rest of the model."""
-        bias = self.bias
+        """Keep the selection bias and its filter state in their dtype whatever `.to(dtype)` / `.bfloat16()` does to
+        the rest of the model."""
+        bias, bias_filter = self.bias, self.bias_filter
         super()._apply(fn, recurse)
         self.bias = bias.to(device=self.bias.device)
+        self.bias_filter = bias_filter.to(device=self.bias_filter.device)
         return self
 
     def forward(self, x: torch.Tensor):
@@ -526,6 +532,40 @@ def balanced_bias(scores: torch.Tensor, bias: torch.Tensor, top_k: int, iteratio
             reduce(fine.counts)
         new = _centre(fine.quantile(q).view_as(new))
     return new
+
+
+def smoothed_bias(fixed_point: torch.Tensor, bias: torch.Tensor, state: torch.Tensor, window: int):
+    """Quantile Balancing over steps (`quantile_window > 1`): the bias to route the next batch with, a local-level
+    Kalman filter of the per-step fixed points. `fixed_point [L, E]` (this step's, centred), `bias [L, E]` (the one
+    the step routed with), `state [L, 2E + 3]` (zeros before the first step: the last fixed point, the last
+    difference, two moments, the count of fixed points) -> `(new bias [L, E], state, gain [L])`, all float64; the
+    leading dim holds independent layers.
+
+    A fixed point is the drifting bias the router needs plus the batch's own sampling noise (each batch routes by
+    its documents). The differences of successive fixed points d_t then have `E[d²] = drift + 2·noise` and
+    `E[d_t d_{t-1}] = -noise` (independent noise; a trend only adds positive covariance, so it can only raise the
+    gain), both pooled over the experts and averaged over the last `window` steps. The steady-state gain of that
+    filter, `2 / (1 + sqrt(1 + 4 noise / drift))`, weighs the new fixed point: 1 while the drift dominates (early
+    training: QB's single-batch bias), towards `1 / window` as the router settles (the bias averages the fixed
+    points of about `window` batches). Gain 1 until 4 pairs of differences are seen. On the device, no host
+    synchronisation."""
+    E = fixed_point.shape[-1]
+    fixed_point, bias, state = fixed_point.double(), bias.double(), state.double()
+    last, last_diff = state[:, :E], state[:, E : 2 * E]
+    second, cross, seen = state[:, 2 * E], state[:, 2 * E + 1], state[:, 2 * E + 2]
+    diff = torch.where(seen[:, None] >= 1, fixed_point - last, 0.0)
+    pairs = seen - 1  # difference pairs including this step's (when >= 1)
+    rate = torch.where(pairs >= 1, 1.0 / pairs.clamp(1, window), 0.0)  # a running mean, then the last `window` steps
+    second = second + rate * ((diff * diff).mean(-1) - second)
+    cross = cross + rate * ((diff * last_diff).mean(-1) - cross)
+    noise = (-cross).clamp_min(0.0)
+    drift = (second - 2.0 * noise).clamp_min(0.0)
+    gain = 2.0 / (1.0 + torch.sqrt(1.0 + 4.0 * noise / drift))  # noise 0: 1; drift 0: 0 (noise / 0 = inf)
+    gain = torch.where(noise > 0, gain, 1.0).clamp_min(1.0 / window)
+    gain = torch.where(pairs >= 4, gain, 1.0)
+    new = torch.where(gain[:, None] == 1.0, fixed_point, _centre(bias + gain[:, None] * (fixed_point - bias)))
+    state = torch.cat([fixed_point, diff, second[:, None], cross[:, None], (seen + 1)[:, None]], dim=-1)
+    return new, state, gain
 
 
 def loss_free_balance(loads: torch.Tensor, bias: torch.Tensor, rate: float) -> torch.Tensor:
@@ -631,6 +671,7 @@ class KDAMoESparseMoeBlock(nn.Module):
         self.router_aux_loss_coef = config.router_aux_loss_coef
         self.quantile_num_bins = config.quantile_num_bins
         self.quantile_iterations = config.quantile_iterations
+        self.quantile_window = config.quantile_window
         self.router = KDAMoERouter(config)
         self.experts = KDAMoEExperts(config)
         self.shared_experts = (
@@ -770,9 +811,18 @@ def _quantile_update(pending, loads: torch.Tensor, distributed: bool) -> None:
     first = blocks[0]
     scores = torch.sigmoid(logits + _logit_drift(blocks, logits, real, input_sum, loads, distributed))
     bias = torch.stack([block.router.bias for block in blocks])
-    new = balanced_bias(scores, bias, first.top_k, first.quantile_iterations, first.quantile_num_bins, real,
-                        torch.distributed.all_reduce if distributed else None)
-    new = torch.where(loads.sum(-1, keepdim=True) > 0, new, bias.double())  # all tokens masked: keep the bias
+    counted = loads.sum(-1, keepdim=True) > 0  # all tokens masked: keep the bias (and the filter)
+    window = first.quantile_window
+    state = torch.stack([block.router.bias_filter for block in blocks]).double() if window > 1 else None
+    start = bias if state is None else torch.where(state[:, -1:] >= 1, state[:, : bias.shape[-1]], bias.double())
+    new = balanced_bias(scores, start, first.top_k, first.quantile_iterations, first.quantile_num_bins, real,
+                        torch.distributed.all_reduce if distributed else None)  # from the last fixed point if any
+    if state is not None:
+        new, new_state, _ = smoothed_bias(new, bias, state, window)
+        new_state = torch.where(counted, new_state, state)
+        for row, block in enumerate(blocks):
+            block.router.bias_filter.copy_(new_state[row])
+    new = torch.where(counted, new, bias.double())
     for row, block in enumerate(blocks):
         block.router.bias.copy_(new[row])
 
@@ -830,6 +880,7 @@ __all__ = [
     "quantile_balance",
     "quantile_fixed_point",
     "selection_thresholds",
+    "smoothed_bias",
     "situ_glu",
     "swiglu",
 ]
