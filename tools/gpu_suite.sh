@@ -28,7 +28,8 @@
 #   `ABLATE=1 REST=0 ABLATE_FACTORS=router_balancing ABLATE_SEEDS=0 bash tools/gpu_suite.sh` (carry .gpu/tok8k:
 #   kdamoe-tokenizer --vocab-size 8192 --output-dir .gpu/tok8k): one job of the H200 ablation, its results.json and
 #   report.md in $OUT/ablate_<factors>_<seeds>/ (with benchmarks/balance_floor.py on its quantile runs: the floor of
-#   MaxVio_batch at fixed weights, FLOOR_S); `kdamoe-ablate --merge` of the jobs' folders makes the report;
+#   MaxVio_batch at fixed weights, FLOOR_S; ABLATE_CONFIG another base config, e.g. a Quantile Balancing variant);
+#   `kdamoe-ablate --merge` of the jobs' folders makes the report;
 #   `bash tools/gpu_suite.sh` (REST, ~5 min): CUDA-only MoE tests, benchmarks/bench_moe.py, a short `small`-preset
 #   training run for tokens/s and MFU, and a torch.profiler table of one `small` training step
 #   (benchmarks/profile_step.py).
@@ -141,10 +142,10 @@ fi
 if [ "${ABLATE:-0}" = 1 ]; then
   # one job of the H200 ablation (configs/ablate_h200.json): ABLATE_FACTORS x ABLATE_SEEDS, with the 8K BPE carried in
   # .gpu/tok8k so that every job trains on the same tokens; `kdamoe-ablate --merge` joins the jobs' results.json
-  name=ablate_${ABLATE_FACTORS:-router_balancing}_${ABLATE_SEEDS:-0}
+  name=ablate_${ABLATE_FACTORS:-router_balancing}_${ABLATE_SEEDS:-0}${ABLATE_CONFIG:+_$(basename "$ABLATE_CONFIG" .json)}
   name=${name//,/-}
   echo "== kdamoe-ablate ($name)"
-  TQDM_DISABLE=1 timeout "${ABLATE_S:-540}" python3 -m kdamoe.ablate --config configs/ablate_h200.json \
+  TQDM_DISABLE=1 timeout "${ABLATE_S:-540}" python3 -m kdamoe.ablate --config "${ABLATE_CONFIG:-configs/ablate_h200.json}" \
     --factors "${ABLATE_FACTORS:-router_balancing}" --seeds "${ABLATE_SEEDS:-0}" --tokenizer .gpu/tok8k \
     --output-dir "/tmp/$name" 2>&1 | grep -v -i warn | tail -5
   mkdir -p "$OUT/$name" && cp /tmp/$name/results.json /tmp/$name/report.md "$OUT/$name/" 2>/dev/null
