@@ -26,6 +26,7 @@ from .model.moe import (
     quantile_fixed_point,
     selection_thresholds,
     situ_glu,
+    smoothed_bias,
     swiglu,
 )
 
@@ -54,6 +55,7 @@ __all__ = [
     "recurrent_kda",
     "register_load_balancing_hook",
     "selection_thresholds",
+    "smoothed_bias",
     "situ_glu",
     "summarize_balancing",
     "swiglu",
