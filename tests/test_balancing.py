@@ -199,7 +199,8 @@ def _filter_stream(walk, noise, window=16, steps=300, seed=0):
     experts: (late gain, late squared error of the bias routed with against the centred truth, of replacing)."""
     gen = torch.Generator().manual_seed(seed)
     randn = lambda: torch.randn(1, 64, generator=gen, dtype=torch.float64)
-    truth, bias, state, gains, errs, first = torch.zeros(1, 64, dtype=torch.float64), None, torch.zeros(1, 131), [], [], []
+    truth, bias, state = torch.zeros(1, 64, dtype=torch.float64), None, torch.zeros(1, 131)
+    gains, errs, first = [], [], []
     for t in range(steps):
         truth = truth + walk * randn()
         y = truth + noise * randn()

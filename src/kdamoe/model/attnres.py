@@ -18,8 +18,8 @@ for the backward, which recomputes it from the sources.
 Dispatch: the Triton kernels of `attnres_triton.py` (each pass reads every source once; the torch code here reads
 each about 5 times through fp32 temporaries) for CUDA sources when triton imports and the kernels take them (at most
 `MAX_SOURCES` sources of one shape, each of a 16/32-bit float dtype, rows of at most `MAX_D`), else the torch code,
-which is the reference and the CPU path. The output takes the first source's dtype. `backend="torch" | "triton"` forces one (the tests run the kernels on CPU tensors
-under `TRITON_INTERPRET=1`).
+which is the reference and the CPU path. The output takes the first source's dtype. `backend="torch" | "triton"`
+forces one (the tests run the kernels on CPU tensors under `TRITON_INTERPRET=1`).
 """
 
 from collections.abc import Sequence
@@ -89,19 +89,18 @@ def _backward_torch(dout, sources, u, logits, rstd, weights, needs_grad):
     return du, dsources
 
 
-def _depth_attention_forward(query, key_norm_weight, eps, backend, sources, norm=None):
-    """``(out, kernels, logits, rstd, weights, rstd_h, sources)``: the forward of both paths and what the backward
-    needs. ``norm = (weight, eps)`` (the kernels only): out is ``RMSNorm_weight(h)`` of the mix h, rstd_h its
-    statistic; else rstd_h is None."""
+def _depth_attention_forward(query, key_norm_weight, eps, kernels, sources, norm=None):
+    """``(out, logits, rstd, weights, rstd_h, sources)``: the forward of the kernels (``kernels``, as `_use_kernels`
+    decided) or of the torch path, and what the backward needs. ``norm = (weight, eps)`` (the kernels only): out is
+    ``RMSNorm_weight(h)`` of the mix h, rstd_h its statistic; else rstd_h is None."""
     u = _wide(query) * _wide(key_norm_weight)  # [D]: w · (γ ⊙ x) = (w ⊙ γ) · x
-    kernels = _use_kernels(backend, sources)
     if kernels:
         sources = tuple(v.contiguous() for v in sources)  # a copy only for a non-contiguous source
         out, logits, rstd, weights, rstd_h = depth_attention_fwd(sources, u, eps, norm)
     else:
         out, logits, rstd, weights = _forward_torch(sources, u, eps)
         rstd_h = None
-    return out, kernels, logits, rstd, weights, rstd_h, sources
+    return out, logits, rstd, weights, rstd_h, sources
 
 
 class _DepthAttentionFunction(torch.autograd.Function):
@@ -109,10 +108,11 @@ class _DepthAttentionFunction(torch.autograd.Function):
     ``RMSNorm_weight`` of it; saves the sources by reference (and never the mix h)."""
 
     @staticmethod
-    def forward(ctx, query, key_norm_weight, norm_weight, eps, norm_eps, backend, *sources):
+    def forward(ctx, query, key_norm_weight, norm_weight, eps, norm_eps, kernels, *sources):
         norm = None if norm_weight is None else (norm_weight, norm_eps)
-        out, ctx.kernels, logits, rstd, weights, rstd_h, sources = _depth_attention_forward(
-            query, key_norm_weight, eps, backend, sources, norm)
+        out, logits, rstd, weights, rstd_h, sources = _depth_attention_forward(
+            query, key_norm_weight, eps, kernels, sources, norm)
+        ctx.kernels = kernels
         ctx.norm_eps = norm_eps
         ctx.save_for_backward(query, key_norm_weight, norm_weight, rstd_h, logits, rstd, weights, *sources)
         return out
@@ -158,17 +158,18 @@ class DepthAttention(nn.Module):
         which inlines such a call, binds the `*sources` of its forward wrongly when their count matches the
         number of its named parameters."""
         sources = tuple(sources)
-        if norm is not None and not _use_kernels(backend, sources):
-            return rms_norm(self._mix(sources, backend, None), norm[0], norm[1], backend)
-        return self._mix(sources, backend, norm)
+        kernels = _use_kernels(backend, sources)
+        if norm is not None and not kernels:
+            return rms_norm(self._mix(sources, False, None), norm[0], norm[1], backend)
+        return self._mix(sources, kernels, norm)
 
-    def _mix(self, sources: tuple[torch.Tensor, ...], backend: str | None,
+    def _mix(self, sources: tuple[torch.Tensor, ...], kernels: bool,
              norm: tuple[torch.Tensor, float] | None) -> torch.Tensor:
         params = (self.query, self.key_norm_weight) + ((norm[0],) if norm is not None else ())
         if torch.is_grad_enabled() and any(t.requires_grad for t in (*params, *sources)):
             return _DepthAttentionFunction.apply(self.query, self.key_norm_weight, None if norm is None else norm[0],
-                                                 self.eps, None if norm is None else norm[1], backend, *sources)
-        return _depth_attention_forward(self.query, self.key_norm_weight, self.eps, backend, sources, norm)[0]
+                                                 self.eps, None if norm is None else norm[1], kernels, *sources)
+        return _depth_attention_forward(self.query, self.key_norm_weight, self.eps, kernels, sources, norm)[0]
 
 
 @dataclass

@@ -210,9 +210,10 @@ if triton is not None:
 
 
 def depth_attention_fwd(sources, u, eps, norm=None):
-    """``(out [..., D] in the first source's dtype, logits, rstd, weights [S, ...] fp32, rstd_h [...] fp32 or None)`` of
-    contiguous sources of one shape ``[..., D]`` and device (``unsupported`` is None), ``u = query ⊙ γ`` ``[D]``. ``norm = (weight [D],
-    eps)``: out is ``RMSNorm_weight(h)`` of the mix h (never written), and rstd_h its ``rsqrt(mean(h²) + eps)``."""
+    """``(out [..., D] in the first source's dtype, logits, rstd, weights [S, ...] fp32, rstd_h [...] fp32 or
+    None)`` of contiguous sources of one shape ``[..., D]`` and device (``unsupported`` is None), ``u = query ⊙ γ``
+    ``[D]``. ``norm = (weight [D], eps)``: out is ``RMSNorm_weight(h)`` of the mix h (never written), and rstd_h its
+    ``rsqrt(mean(h²) + eps)``."""
     s0, S = sources[0], len(sources)
     R, D = s0.numel() // s0.shape[-1], s0.shape[-1]
     out = torch.empty_like(s0)
