@@ -75,6 +75,32 @@ def test_finished_runs_are_reused(ablation):
     assert again["factors"] == json.loads(json.dumps(results["factors"]))
 
 
+def test_a_killed_ablation_keeps_the_report_of_the_runs_it_finished(ablation, tmp_path, monkeypatch):
+    """The report is rewritten after every run: killed at the first softplus run (a time limit), results.json holds
+    both seeds of the base run, and the factor's verdict says what it lacks."""
+    import kdamoe.ablate as ablate_module
+
+    out, argv, results = ablation
+    real_train_run = ablate_module.train_run
+
+    def killed_at_softplus(folder, *args, **kwargs):
+        if "softplus" in str(folder):
+            raise KeyboardInterrupt
+        return real_train_run(folder, *args, **kwargs)
+
+    monkeypatch.setattr(ablate_module, "train_run", killed_at_softplus)
+    part_argv = ["--output-dir", str(tmp_path), *argv[argv.index("--factors"):]]
+    with pytest.raises(KeyboardInterrupt):
+        ablate(part_argv)
+    kept = json.loads((tmp_path / "results.json").read_text())
+    assert list(kept["runs"]) == ["base"] and list(kept["runs"]["base"]) == ["0", "1"]
+    for seed, run in kept["runs"]["base"].items():  # training is deterministic on the CPU
+        assert run["val_loss"] == pytest.approx(results["runs"]["base"][seed]["val_loss"], rel=1e-6)
+    assert kept["factors"]["kda_gate"]["runs"] == {"bounded": "base"}
+    assert kept["factors"]["kda_gate"]["verdict"] == "needs both gates"
+    assert "needs both gates" in (tmp_path / "report.md").read_text()
+
+
 def test_merge_reports_partial_ablations_as_one(ablation, tmp_path):
     """Two ablations of one seed each (as separate jobs would run them), merged: the runs of both seeds and the same
     summaries as the ablation that ran both seeds at once (training is deterministic on the CPU; tokens/s is not)."""

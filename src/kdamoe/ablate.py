@@ -26,7 +26,8 @@ arguments is reused, so an interrupted ablation continues where it stopped (`--r
 
 Outputs in `--output-dir`: `report.md` (a table and a verdict per factor), `results.json` (every number of the
 report and the per-run metrics it comes from), PNG plots when matplotlib is installed (`loss_<factor>.png`,
-`max_vio.png`, `loss_by_position.png`) and `runs/<name>/seed<k>/` (the kdamoe-train folders, `eval/` inside).
+`max_vio.png`, `loss_by_position.png`) and `runs/<name>/seed<k>/` (the kdamoe-train folders, `eval/` inside); the
+report is rewritten after every finished run, so an ablation killed part way keeps the report of the runs it finished.
 `--merge DIR,DIR,...` trains nothing: it writes the report of the runs in those folders' `results.json` (ablations
 of other factors or seeds with the same kdamoe-train flags and config, e.g. run in separate jobs or on separate
 machines, each bringing back its results.json); a run (name and seed) in several of them is taken from the first.
@@ -462,8 +463,11 @@ def ablate(argv: list[str] | None = None) -> dict:
                 tokenizer = ["--tokenizer", str(folder / "tokenizer")]
             report = evaluate_run(folder) if name in evaluated else None
             metrics.setdefault(name, {})[seed] = run_metrics(folder, report)
-    factor_runs = {factor: {value: name for value, (name, _) in names[factor].items()} for factor in args.factors}
-    return write_results(out, args.seeds, train_argv, args.config, factor_runs, metrics)
+            # rewritten after every run: an ablation killed part way (a time limit) keeps the report of what finished
+            factor_runs = {factor: done for factor in args.factors
+                           if (done := {v: n for v, (n, _) in names[factor].items() if n in metrics})}
+            results = write_results(out, args.seeds, train_argv, args.config, factor_runs, metrics)
+    return results
 
 
 def write_results(out: Path, seeds: list[int], train_argv: list[str], config: str | None,
