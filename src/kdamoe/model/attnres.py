@@ -15,6 +15,13 @@ no copy of the sources (a stacked fp32 copy per sublayer would cost S times the 
 ``norm=(weight, eps)`` the kernels also apply the sublayer's RMSNorm, so the mix h itself is neither written nor kept
 for the backward, which recomputes it from the sources.
 
+A block's source is read by every later sublayer's depth attention. Each backward would return its own gradient
+tensor of the source for autograd to add up (per reader after the first: the kernel writes a tensor, then an add reads
+two and writes one); instead `ResidualState` marks each completed source with a gradient sink (`with_gradient_sink`),
+into which every reader's backward adds its part in place (the kernels read and write the one buffer), and the sink
+hands the sum to autograd once all readers are done. Where no gradient is recorded, or under torch.compile, sources
+are left unmarked and autograd sums as usual.
+
 Dispatch: the Triton kernels of `attnres_triton.py` (each pass reads every source once; the torch code here reads
 each about 5 times through fp32 temporaries) for CUDA sources when triton imports and the kernels take them (at most
 `MAX_SOURCES` sources of one shape, each of a 16/32-bit float dtype, rows of at most `MAX_D`), else the torch code,
@@ -103,17 +110,62 @@ def _depth_attention_forward(query, key_norm_weight, eps, kernels, sources, norm
     return out, logits, rstd, weights, rstd_h, sources
 
 
-class _DepthAttentionFunction(torch.autograd.Function):
-    """``Σ_s softmax_s(logit_s) V_s`` with ``logit_s = RMSNorm_γ(V_s) · w``, or with a norm weight (the kernels only)
-    ``RMSNorm_weight`` of it; saves the sources by reference (and never the mix h)."""
+class _GradientSink:
+    """The gradient of one source, which every depth attention reading it adds to in place (`grad`: None until the
+    first, in backward order, stores its part)."""
+
+    __slots__ = ("grad",)
+
+    def __init__(self):
+        self.grad = None
+
+    def take(self) -> torch.Tensor | None:
+        grad, self.grad = self.grad, None
+        return grad
+
+
+class _SummedGradient(torch.autograd.Function):
+    """Identity on a source; its backward runs after every reader's (they all take its output) and hands autograd
+    the sink's sum, plus any gradient that reached the output the usual way."""
 
     @staticmethod
-    def forward(ctx, query, key_norm_weight, norm_weight, eps, norm_eps, kernels, *sources):
+    def forward(ctx, source, sink):
+        ctx.sink = sink
+        ctx.set_materialize_grads(False)  # readers that used the sink return no gradient: no zeros to allocate
+        return source.view_as(source)
+
+    @staticmethod
+    def backward(ctx, grad):
+        summed = ctx.sink.take()
+        if grad is not None:
+            summed = grad if summed is None else summed + grad
+        return summed, None
+
+
+def with_gradient_sink(source: torch.Tensor) -> torch.Tensor:
+    """``source`` marked so that the depth attentions reading it sum its gradient in one buffer (module docstring);
+    ``source`` itself when no gradient is recorded for it, or under torch.compile."""
+    if not (torch.is_grad_enabled() and source.requires_grad) or torch.compiler.is_compiling():
+        return source
+    sink = _GradientSink()
+    marked = _SummedGradient.apply(source, sink)
+    marked._gradient_sink = sink
+    return marked
+
+
+class _DepthAttentionFunction(torch.autograd.Function):
+    """``Σ_s softmax_s(logit_s) V_s`` with ``logit_s = RMSNorm_γ(V_s) · w``, or with a norm weight (the kernels only)
+    ``RMSNorm_weight`` of it; saves the sources by reference (and never the mix h). ``sinks[s]``: None, or the
+    `_GradientSink` that source s's gradient is added to (its gradient output is then None)."""
+
+    @staticmethod
+    def forward(ctx, query, key_norm_weight, norm_weight, eps, norm_eps, kernels, sinks, *sources):
         norm = None if norm_weight is None else (norm_weight, norm_eps)
         out, logits, rstd, weights, rstd_h, sources = _depth_attention_forward(
             query, key_norm_weight, eps, kernels, sources, norm)
         ctx.kernels = kernels
         ctx.norm_eps = norm_eps
+        ctx.sinks = sinks
         ctx.save_for_backward(query, key_norm_weight, norm_weight, rstd_h, logits, rstd, weights, *sources)
         return out
 
@@ -121,16 +173,23 @@ class _DepthAttentionFunction(torch.autograd.Function):
     def backward(ctx, dout):
         query, gamma, norm_weight, rstd_h, logits, rstd, weights, *sources = ctx.saved_tensors
         u = _wide(query) * _wide(gamma)
-        needs = ctx.needs_input_grad[6:]
+        sinks = ctx.sinks
+        needs = [need or sink is not None for need, sink in zip(ctx.needs_input_grad[7:], sinks)]
         if ctx.kernels:
             norm = None if norm_weight is None else (norm_weight, ctx.norm_eps)
-            du, dsources, dnorm = depth_attention_bwd(dout, sources, u, logits, rstd, weights, needs, norm, rstd_h)
+            accumulate = [None if sink is None else sink.grad for sink in sinks]
+            du, dsources, dnorm = depth_attention_bwd(dout, sources, u, logits, rstd, weights, needs, norm, rstd_h,
+                                                      accumulate)
         else:
             (du, dsources), dnorm = _backward_torch(dout, sources, u, logits, rstd, weights, needs), None
+        for s, sink in enumerate(sinks):  # the kernels added to sink.grad in place, the torch path adds here
+            if sink is not None:
+                sink.grad = dsources[s] if ctx.kernels or sink.grad is None else sink.grad.add_(dsources[s])
+                dsources[s] = None
         dquery = (du * _wide(gamma)).to(query.dtype) if ctx.needs_input_grad[0] else None
         dgamma = (du * _wide(query)).to(gamma.dtype) if ctx.needs_input_grad[1] else None
         dnorm = dnorm.to(norm_weight.dtype) if dnorm is not None and ctx.needs_input_grad[2] else None
-        return dquery, dgamma, dnorm, None, None, None, *dsources
+        return dquery, dgamma, dnorm, None, None, None, None, *dsources
 
 
 class DepthAttention(nn.Module):
@@ -167,8 +226,10 @@ class DepthAttention(nn.Module):
              norm: tuple[torch.Tensor, float] | None) -> torch.Tensor:
         params = (self.query, self.key_norm_weight) + ((norm[0],) if norm is not None else ())
         if torch.is_grad_enabled() and any(t.requires_grad for t in (*params, *sources)):
+            sinks = tuple(getattr(v, "_gradient_sink", None) for v in sources)
             return _DepthAttentionFunction.apply(self.query, self.key_norm_weight, None if norm is None else norm[0],
-                                                 self.eps, None if norm is None else norm[1], kernels, *sources)
+                                                 self.eps, None if norm is None else norm[1], kernels, sinks,
+                                                 *sources)
         return _depth_attention_forward(self.query, self.key_norm_weight, self.eps, kernels, sources, norm)[0]
 
 
@@ -176,7 +237,8 @@ class DepthAttention(nn.Module):
 class ResidualState:
     """The residual stream between sublayers.
 
-    `completed`: the sources of closed blocks (the embedding first), each `[B, T, D]`; empty in `standard` mode.
+    `completed`: the sources of closed blocks (the embedding first), each `[B, T, D]` and marked by
+    `with_gradient_sink`; empty in `standard` mode.
     `partial`: `[B, T, D]` running sum of the current block (None when the block is empty); in `standard` mode
     it is the residual stream `x` itself.
     """
@@ -188,7 +250,7 @@ class ResidualState:
     def start(cls, embeddings: torch.Tensor, mode: str) -> "ResidualState":
         if mode == "standard":
             return cls(completed=(), partial=embeddings)
-        return cls(completed=(embeddings,), partial=None)
+        return cls(completed=(with_gradient_sink(embeddings),), partial=None)
 
     def sources(self) -> tuple[torch.Tensor, ...]:
         return self.completed if self.partial is None else (*self.completed, self.partial)
@@ -203,7 +265,7 @@ class ResidualState:
         """Add a sublayer's output to the partial sum; closing the block turns the sum into a source."""
         partial = output if self.partial is None else self.partial + output
         if close_block:
-            return ResidualState((*self.completed, partial), None)
+            return ResidualState((*self.completed, with_gradient_sink(partial)), None)
         return ResidualState(self.completed, partial)
 
 
