@@ -77,8 +77,9 @@ def _forward_torch(sources, u, eps):
     return out if out.dtype == sources[0].dtype else out.to(sources[0].dtype), logits, rstd, weights
 
 
-def _backward_torch(dout, sources, u, logits, rstd, weights, needs_grad):
-    """``(du [D], [dv_s or None])`` of the torch path."""
+def _backward_torch(dout, sources, u, logits, rstd, weights, needs_grad, accumulate):
+    """``(du [D], [dv_s or None])`` of the torch path; ``accumulate`` as for `depth_attention_bwd` (dv_s added to
+    ``accumulate[s]`` in place and returned)."""
     D = u.shape[0]
     dout = _wide(dout)
     g = torch.stack([(dout * v).sum(-1) for v in sources])  # [S, B, T]: ∂L/∂weight_s
@@ -91,8 +92,8 @@ def _backward_torch(dout, sources, u, logits, rstd, weights, needs_grad):
         if not needs_grad[s]:
             dsources.append(None)
             continue
-        dv = weights[s, ..., None] * dout + a[s, ..., None] * u - c[s, ..., None] * _wide(v)
-        dsources.append(dv.to(v.dtype))
+        dv = (weights[s, ..., None] * dout + a[s, ..., None] * u - c[s, ..., None] * _wide(v)).to(v.dtype)
+        dsources.append(dv if accumulate[s] is None else accumulate[s].add_(dv))
     return du, dsources
 
 
@@ -175,17 +176,16 @@ class _DepthAttentionFunction(torch.autograd.Function):
         u = _wide(query) * _wide(gamma)
         sinks = ctx.sinks
         needs = [need or sink is not None for need, sink in zip(ctx.needs_input_grad[7:], sinks)]
+        accumulate = [None if sink is None else sink.grad for sink in sinks]
         if ctx.kernels:
             norm = None if norm_weight is None else (norm_weight, ctx.norm_eps)
-            accumulate = [None if sink is None else sink.grad for sink in sinks]
             du, dsources, dnorm = depth_attention_bwd(dout, sources, u, logits, rstd, weights, needs, norm, rstd_h,
                                                       accumulate)
         else:
-            (du, dsources), dnorm = _backward_torch(dout, sources, u, logits, rstd, weights, needs), None
-        for s, sink in enumerate(sinks):  # the kernels added to sink.grad in place, the torch path adds here
+            (du, dsources), dnorm = _backward_torch(dout, sources, u, logits, rstd, weights, needs, accumulate), None
+        for s, sink in enumerate(sinks):  # the sink's sum so far, with this reader's part added
             if sink is not None:
-                sink.grad = dsources[s] if ctx.kernels or sink.grad is None else sink.grad.add_(dsources[s])
-                dsources[s] = None
+                sink.grad, dsources[s] = dsources[s], None
         dquery = (du * _wide(gamma)).to(query.dtype) if ctx.needs_input_grad[0] else None
         dgamma = (du * _wide(query)).to(gamma.dtype) if ctx.needs_input_grad[1] else None
         dnorm = dnorm.to(norm_weight.dtype) if dnorm is not None and ctx.needs_input_grad[2] else None
