@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from triton_interpreter import DEV, ON_GPU, kernel_test, rerun_in_interpreter, rerun_test
+from triton_interpreter import DEV, ON_GPU, check_compiles_for_sm90, kernel_test, rerun_in_interpreter, rerun_test
 from conftest import rel
 
 from kdamoe.model import attnres, attnres_triton  # noqa: E402
@@ -306,6 +306,36 @@ def test_kernel_dispatch():
     with pytest.raises(ValueError, match="backend"):
         mod(ours, backend="cuda")
     assert attnres._use_kernels(None, ours) == ON_GPU  # CPU tensors: the torch path unless forced
+
+
+SM90_LAUNCHES = r"""
+from kdamoe.model import attnres_triton
+
+attnres_triton.persistent_programs = lambda device, *args, **kwargs: 132 * 12
+kernel = attnres_triton.{kernel}
+attnres_triton.{kernel} = Record()
+D, R = 1024, 64
+for dtypes, norm, sink in (((torch.bfloat16,) * 5, True, True), ((torch.float32, torch.bfloat16), False, False)):
+    sources = [torch.zeros(R, D, dtype=dtype) for dtype in dtypes]
+    stats = torch.zeros(len(sources), R)
+    rms = (torch.zeros(D), 1e-6) if norm else None
+    if kernel.fn.__name__ == "_fwd_kernel":
+        attnres_triton.depth_attention_fwd(sources, torch.zeros(D), 1e-6, norm=rms)
+    else:
+        sinks = [torch.zeros_like(v) if sink and s < len(sources) - 1 else None for s, v in enumerate(sources)]
+        attnres_triton.depth_attention_bwd(torch.zeros(R, D, dtype=torch.bfloat16), sources, torch.zeros(D), stats,
+                                           stats, stats, [True] * len(sources), norm=rms,
+                                           rstd_h=torch.zeros(R) if norm else None, accumulate=sinks)
+"""
+
+
+@pytest.mark.parametrize("kernel", ["_fwd_kernel", "_bwd_kernel"])
+def test_kernels_compile_for_sm90(kernel):
+    """Both kernels compile to cubins for an H100/H200 (sm_90) as the GPU launches them, which the interpreter does
+    not check: the twin's deepest Block AttnRes read (5 bf16 sources, the fused norm, gradient sinks on the 4
+    completed sources) and mixed-dtype sources (fp32 embedding, bf16 sublayer output, as under autocast). No GPU
+    needed, in a process without the interpreter."""
+    check_compiles_for_sm90(SM90_LAUNCHES.replace("{kernel}", kernel), expected=2)
 
 
 def test_module_imports_and_falls_back_without_triton(tmp_path):

@@ -32,7 +32,9 @@ memory round trip); 12 backward programs per SM, so that a register-limited resi
 per SM runs them in whole waves. Compiled for sm_90 (triton 3.6, bf16, no spills unless said), registers forward /
 backward: D = 1024: 32 / 48 at S = 2, 57 / 80 at S = 6, 73 / 127 at S = 9, 116 / 234 at S = 16; D = 2048, S = 6: 58
 / 83; D = 4096, S = 6: 83 / 125; D = 8192, S = 6 or D >= 2048, S = 16: the 128 cap of 16 warps, with 48-984 bytes of
-spills. With NORM (triton 3.9), D = 1024: 40 / 64 at S = 2, 57 / 104 at S = 5, 75 / 128 at S = 9, no spills.
+spills. With NORM (triton 3.9), D = 1024: 40 / 64 at S = 2, 57 / 104 at S = 5, 75 / 128 at S = 9, no spills; the
+backward with every source but the newest added to a gradient sink (ACC): 64 at S = 2, 105-128 at S = 5 to 8
+(two programs of 8 warps an SM, as without), 144 at S = 9 (one).
 """
 
 import torch
