@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_interpreter import DEV, kernel_test, rerun_in_interpreter, rerun_test
+from triton_interpreter import DEV, check_compiles_for_sm90, kernel_test, rerun_in_interpreter, rerun_test
 from conftest import rel
 
 from kdamoe.model import fused_norm, kda, modeling_kdamoe, short_conv  # noqa: E402
@@ -37,9 +37,10 @@ def test_kernels_in_interpreter_subprocess():
 @pytest.fixture
 def small_tiles(monkeypatch):
     monkeypatch.setattr(fused_norm, "TILE_ELEMENTS", 256)
-    monkeypatch.setitem(short_conv.LAUNCH, "fwd", dict(BT=8, BD=16, num_warps=1))
-    monkeypatch.setitem(short_conv.LAUNCH, "dpre", dict(BT=8, BD=16, num_warps=1, programs_per_sm=1))
-    monkeypatch.setitem(short_conv.LAUNCH, "dx", dict(BT=8, BD=16, num_warps=1))
+    monkeypatch.setitem(short_conv.LAUNCH, "fwd", dict(BT=8, BD=16, num_warps=1, channels_first=False))
+    monkeypatch.setitem(short_conv.LAUNCH, "dpre", dict(BT=8, BD=16, num_warps=1, programs_per_sm=1,
+                                                        channels_first=False))
+    monkeypatch.setitem(short_conv.LAUNCH, "dx", dict(BT=8, BD=16, num_warps=1, channels_first=False))
     monkeypatch.setitem(short_conv.LAUNCH, "state", dict(BD=16, num_warps=1))
 
 
@@ -284,6 +285,26 @@ def test_short_conv_kernels_match_float64(small_tiles, B, T, lengths, W, C):
 
 
 @kernel_test
+@pytest.mark.parametrize("B,T,lengths", CONV_CASES[:3])
+def test_short_conv_program_order_changes_no_bit(small_tiles, monkeypatch, B, T, lengths):
+    """Channel blocks fastest or token blocks fastest: every tile and every program's share of the weight gradient
+    is the same work, so output, dx and dweight are bit-identical (and match float64)."""
+    cu = cu_of(lengths) if lengths is not None else None
+    (x, w), (x64, w64) = leaves(torch.randn(B, T, 40), torch.randn(40, W_CONV) * 0.7)
+    cot = torch.randn(B, T, 40).to(DEV)
+    runs = []
+    for channels_first in (False, True):
+        for role in ("fwd", "dpre", "dx"):
+            monkeypatch.setitem(short_conv.LAUNCH, role, dict(short_conv.LAUNCH[role], channels_first=channels_first))
+        out = short_conv.short_conv_silu(x, w, cu_seqlens=cu, backend="triton")
+        runs.append((out, *torch.autograd.grad(out, [x, w], cot)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    check(short_conv.short_conv_silu(x, w, cu_seqlens=cu, backend="triton"),
+          conv_silu64(x64, w64, None if cu is None else cu.cpu()), [x, w], [x64, w64])
+
+
+@kernel_test
 @pytest.mark.parametrize("B,T,lengths", [(2, 13, None), (1, 17, [1, 2, 3, 1, 10])])
 def test_short_conv_reads_a_column_slice_in_place(small_tiles, B, T, lengths):
     """x as the KDA layer passes it: the q | k | v columns of a wider projection (rows 31 elements apart, not C),
@@ -321,6 +342,40 @@ def test_short_conv_default_tiles_match_float64():
     (x, w), (x64, w64) = leaves(torch.randn(1, sum(lengths), 40), torch.randn(40, W_CONV) * 0.7)
     check(short_conv.short_conv_silu(x, w, cu_seqlens=cu, backend="triton"), conv_silu64(x64, w64, cu.cpu()),
           [x, w], [x64, w64])
+
+
+CONV_SM90_LAUNCHES = r"""
+from kdamoe.model import short_conv
+
+short_conv.persistent_programs = lambda device, *args, **kwargs: 132 * 16 // args[1]
+class Skip:
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+kernel = short_conv.{kernel}
+for name in ("_conv_fwd_kernel", "_conv_dpre_kernel", "_conv_dx_kernel"):
+    setattr(short_conv, name, Skip())
+short_conv.{kernel} = Record()
+x = torch.zeros(2, 64, 3 * 1024 + 64, dtype=torch.bfloat16)[..., :3 * 1024]  # the q | k | v columns
+w = torch.zeros(3 * 1024, 4, dtype=torch.bfloat16)
+for cu in (None, torch.tensor([0, 5, 128], dtype=torch.int32)):
+    for channels_first in (False, True):
+        for role in ("fwd", "dpre", "dx"):
+            short_conv.LAUNCH[role] = dict(short_conv.LAUNCH[role], channels_first=channels_first)
+        if kernel.fn.__name__ == "_conv_fwd_kernel":
+            short_conv.conv_silu_fwd(x, w, cu, None)
+        else:
+            short_conv.conv_silu_bwd(x, w, cu, None, torch.zeros(x.shape, dtype=x.dtype))
+"""
+
+
+@pytest.mark.parametrize("kernel", ["_conv_fwd_kernel", "_conv_dpre_kernel", "_conv_dx_kernel"])
+def test_short_conv_kernels_compile_for_sm90(kernel):
+    """The convolution's kernels compile to cubins for an H100/H200 (sm_90) as the GPU launches them at the default
+    tiles (bf16, a column slice of a wider projection, plain rows and packed documents, both program orders), which
+    the interpreter does not check. No GPU needed, in a process without the interpreter."""
+    check_compiles_for_sm90(CONV_SM90_LAUNCHES.replace("{kernel}", kernel), expected=4)
 
 
 @kernel_test

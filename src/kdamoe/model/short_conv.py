@@ -9,9 +9,10 @@ The KDA layer runs it on its q, k, v projections. The output dtype is ``promote_
 for bf16 activations and an fp32 weight under autocast); the sum is fp32 (fp64 for fp64 inputs on the torch path).
 
 Kernels (the flattened ``[B·T, C]`` input, whose rows may lie further apart than C, as in a column slice of a
-wider projection; grid axis 0 walks token blocks, as CUDA allows 2^31 − 1 programs there
-and 65535 on axes 1 and 2, which would stop at 4M tokens; axis 1 the channel blocks; int64 offsets, as 1M tokens x
-6144 channels pass 2^31):
+wider projection; a 1-D grid of (token block, channel block) tiles, as CUDA allows 2^31 − 1 programs on axis 0 and
+65535 on axes 1 and 2, which would stop at 4M tokens; ``channels_first`` in ``LAUNCH`` orders the programs channel
+blocks fastest, so the programs that run together read whole rows, else token blocks fastest; int64 offsets, as 1M
+tokens x 6144 channels pass 2^31):
 
 - forward: one program per ``[BT, BD]`` tile; each token's document bounds come from a vectorised binary search of
   ``cu_seqlens`` (``ceil(log2(N + 1))`` gathers from a table of N + 1 entries that stays in L1; no host
@@ -25,8 +26,8 @@ and 65535 on axes 1 and 2, which would stop at 4M tokens; axis 1 the channel blo
   costs more than the buffer's traffic.
 - ``short_conv_state``: one program per (row, channel block) gathers the row's last W inputs.
 
-Tile sizes (``LAUNCH``) are picks from what the kernels compile to for sm_90 (bf16 x, W = 4: no spills), not from
-timings.
+Tile sizes and program order (``LAUNCH``) are picks from what the kernels compile to for sm_90 (bf16 x, W = 4: no
+spills), not from timings; ``benchmarks/bench_conv.py`` times the candidates on a GPU.
 """
 
 import torch
@@ -38,9 +39,9 @@ if triton is not None:
     import triton.language as tl
 
 LAUNCH = {
-    "fwd": dict(BT=64, BD=64, num_warps=8),
-    "dpre": dict(BT=32, BD=64, num_warps=4, programs_per_sm=16),
-    "dx": dict(BT=64, BD=64, num_warps=8),
+    "fwd": dict(BT=64, BD=64, num_warps=8, channels_first=False),
+    "dpre": dict(BT=32, BD=64, num_warps=4, programs_per_sm=16, channels_first=False),
+    "dx": dict(BT=64, BD=64, num_warps=8, channels_first=False),
     "state": dict(BD=128, num_warps=4),
 }
 
@@ -119,6 +120,14 @@ if triton is not None:
         return bos, eos
 
     @triton.jit
+    def _tile(pid, n_rows, n_cols, CHANNELS_FIRST: tl.constexpr):
+        """``(row, col)`` of program pid in an ``n_rows x n_cols`` grid of tiles (rows: token blocks or persistent
+        programs along time; cols: channel blocks), cols fastest with CHANNELS_FIRST, else rows fastest."""
+        if CHANNELS_FIRST:
+            return pid // n_cols, pid % n_cols
+        return pid % n_rows, pid // n_rows
+
+    @triton.jit
     def _conv_pre(x, w, ctx, u, bos, cbase, m_u, d, m_d, SX, s_cj, s_cc, W: tl.constexpr, HAS_CTX: tl.constexpr):
         """Pre-activation ``[BT, BD]`` fp32 at the flat tokens u (document start bos; x's rows SX elements apart):
         taps before bos are 0, or (HAS_CTX, plain rows) read from ctx ``[B, W-1, C]`` at ``cbase + src · s_cj``
@@ -143,11 +152,12 @@ if triton is not None:
         return (bos // T) * s_cb + (W - 1 - bos) * s_cj
 
     @triton.jit
-    def _conv_fwd_kernel(x, w, ctx, cu, y, L, T, C, SX, n_docs, n_steps, s_cb, s_cj, s_cc,
+    def _conv_fwd_kernel(x, w, ctx, cu, y, L, T, C, SX, n_docs, n_steps, s_cb, s_cj, s_cc, n_tblocks, n_cblocks,
                          W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                         VARLEN: tl.constexpr, HAS_CTX: tl.constexpr):
-        t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
-        d = tl.program_id(1) * BD + tl.arange(0, BD)
+                         VARLEN: tl.constexpr, HAS_CTX: tl.constexpr, CHANNELS_FIRST: tl.constexpr):
+        tb, cb = _tile(tl.program_id(0), n_tblocks, n_cblocks, CHANNELS_FIRST)
+        t = (tb * BT + tl.arange(0, BT)).to(tl.int64)
+        d = cb * BD + tl.arange(0, BD)
         m_t, m_d = t < L, d < C
         bos, _ = _doc_bounds(t, cu, n_docs, n_steps, T, VARLEN)
         cbase = _ctx_base(bos, T, s_cb, s_cj, W) if HAS_CTX else bos
@@ -157,17 +167,17 @@ if triton is not None:
 
     @triton.jit
     def _conv_dpre_kernel(x, w, ctx, cu, dy, dpre, dw, L, T, C, SX, n_docs, n_steps, n_blocks, s_cb, s_cj, s_cc,
-                          W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                          VARLEN: tl.constexpr, HAS_CTX: tl.constexpr):
+                          n_programs, n_cblocks, W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr,
+                          BD: tl.constexpr, VARLEN: tl.constexpr, HAS_CTX: tl.constexpr, CHANNELS_FIRST: tl.constexpr):
         """Persistent over token blocks pid, pid + P, ...: ``dpre = dy · silu'(pre)`` of the block (pre recomputed
         from its W shifted input tiles) into ``dpre``, and this program's weight-gradient partial sums
         ``Σ_t dpre[t] · x[t − (W−1−tap)]`` into ``dw[pid, tap, channel]`` (``[P, W, C]``)."""
-        pid = tl.program_id(0)
-        d = tl.program_id(1) * BD + tl.arange(0, BD)
+        pid, cb = _tile(tl.program_id(0), n_programs, n_cblocks, CHANNELS_FIRST)
+        d = cb * BD + tl.arange(0, BD)
         m_d = d < C
         taps = tl.arange(0, WP)
         dw_acc = tl.zeros([BD, WP], dtype=tl.float32)
-        for blk in range(pid, n_blocks, tl.num_programs(0)):
+        for blk in range(pid, n_blocks, n_programs):
             t = (blk * BT + tl.arange(0, BT)).to(tl.int64)
             m_t = t < L
             m_x = m_t[:, None] & m_d[None, :]
@@ -189,11 +199,12 @@ if triton is not None:
         tl.store(dw + pid * W * C + taps[None, :] * C + d[:, None], dw_acc, mask=(taps < W)[None, :] & m_d[:, None])
 
     @triton.jit
-    def _conv_dx_kernel(w, cu, dpre, dx, L, T, C, n_docs, n_steps, W: tl.constexpr, BT: tl.constexpr,
-                        BD: tl.constexpr, VARLEN: tl.constexpr):
+    def _conv_dx_kernel(w, cu, dpre, dx, L, T, C, n_docs, n_steps, n_tblocks, n_cblocks, W: tl.constexpr,
+                        BT: tl.constexpr, BD: tl.constexpr, VARLEN: tl.constexpr, CHANNELS_FIRST: tl.constexpr):
         """``dx[t] = Σ_s weight[W−1−s] · dpre[t + s]`` over the outputs ``t + s`` of t's document."""
-        t = (tl.program_id(0) * BT + tl.arange(0, BT)).to(tl.int64)
-        d = tl.program_id(1) * BD + tl.arange(0, BD)
+        tb, cb = _tile(tl.program_id(0), n_tblocks, n_cblocks, CHANNELS_FIRST)
+        t = (tb * BT + tl.arange(0, BT)).to(tl.int64)
+        d = cb * BD + tl.arange(0, BD)
         m_t, m_d = t < L, d < C
         _, eos = _doc_bounds(t, cu, n_docs, n_steps, T, VARLEN)
         acc = tl.zeros([BT, BD], dtype=tl.float32)
@@ -253,12 +264,13 @@ def conv_silu_fwd(x, weight, cu_seqlens, context):
     n_tokens = batch * seq_len
     cfg = LAUNCH["fwd"]
     cu, n_docs, n_steps = _doc_args(x, cu_seqlens)
+    n_tblocks, n_cblocks = triton.cdiv(n_tokens, cfg["BT"]), triton.cdiv(channels, cfg["BD"])
     if n_tokens and channels:
-        _conv_fwd_kernel[(triton.cdiv(n_tokens, cfg["BT"]), triton.cdiv(channels, cfg["BD"]))](
+        _conv_fwd_kernel[(n_tblocks * n_cblocks,)](
             x, weight, x if context is None else context, cu, y, n_tokens, seq_len, channels, x.stride(1), n_docs,
-            n_steps,
-            *(context.stride() if context is not None else (0, 0, 0)), W=width, BT=cfg["BT"], BD=cfg["BD"],
-            VARLEN=cu_seqlens is not None, HAS_CTX=context is not None, num_warps=cfg["num_warps"])
+            n_steps, *(context.stride() if context is not None else (0, 0, 0)), n_tblocks, n_cblocks, W=width,
+            BT=cfg["BT"], BD=cfg["BD"], VARLEN=cu_seqlens is not None, HAS_CTX=context is not None,
+            CHANNELS_FIRST=cfg["channels_first"], num_warps=cfg["num_warps"])
     return y
 
 
@@ -276,15 +288,18 @@ def conv_silu_bwd(x, weight, cu_seqlens, context, dy):
     dw = torch.zeros(programs, width, channels, dtype=torch.float32, device=x.device)
     cu, n_docs, n_steps = _doc_args(x, cu_seqlens)
     if channels:
-        _conv_dpre_kernel[(programs, n_cblocks)](
+        _conv_dpre_kernel[(programs * n_cblocks,)](
             x, weight, x if context is None else context, cu, dy, dpre, dw, n_tokens, seq_len, channels,
             x.stride(1), n_docs, n_steps, n_blocks, *(context.stride() if context is not None else (0, 0, 0)),
-            W=width, WP=triton.next_power_of_2(width), BT=cfg["BT"], BD=cfg["BD"],
-            VARLEN=cu_seqlens is not None, HAS_CTX=context is not None, num_warps=cfg["num_warps"])
+            programs, n_cblocks, W=width, WP=triton.next_power_of_2(width), BT=cfg["BT"], BD=cfg["BD"],
+            VARLEN=cu_seqlens is not None, HAS_CTX=context is not None, CHANNELS_FIRST=cfg["channels_first"],
+            num_warps=cfg["num_warps"])
+    n_tblocks, n_cblocks = triton.cdiv(n_tokens, cfg_dx["BT"]), triton.cdiv(channels, cfg_dx["BD"])
     if n_tokens and channels:
-        _conv_dx_kernel[(triton.cdiv(n_tokens, cfg_dx["BT"]), triton.cdiv(channels, cfg_dx["BD"]))](
-            weight, cu, dpre, dx, n_tokens, seq_len, channels, n_docs, n_steps, W=width, BT=cfg_dx["BT"],
-            BD=cfg_dx["BD"], VARLEN=cu_seqlens is not None, num_warps=cfg_dx["num_warps"])
+        _conv_dx_kernel[(n_tblocks * n_cblocks,)](
+            weight, cu, dpre, dx, n_tokens, seq_len, channels, n_docs, n_steps, n_tblocks, n_cblocks, W=width,
+            BT=cfg_dx["BT"], BD=cfg_dx["BD"], VARLEN=cu_seqlens is not None, CHANNELS_FIRST=cfg_dx["channels_first"],
+            num_warps=cfg_dx["num_warps"])
     return dx, dw.sum(0).t().to(weight.dtype)
 
 
