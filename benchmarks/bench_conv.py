@@ -3,22 +3,29 @@
 
 The shape is the twin's KDA layer (bench_model.py): B x T tokens of C = 3 x 1024 channels (q | k | v), read as the
 column slice of a wider projection the layer passes, bf16, width 4; plain rows, and packed documents of `--doc`
-tokens. Each candidate launch (`short_conv.LAUNCH`: tile, warps, program order; the backward's persistent programs
-per SM) is checked before it is timed: its output and dx bit-identical to the default launch's, dweight within 1e-5
-(its partial sums group differently). Table: ms (`triton.testing.do_bench` median), the bytes the kernel must move
-over its time (forward: read x, write y; backward: read x and dy, write and read dpre, write dx), and that rate as a
-share of a device-to-device copy's in the same run. The default launch is also checked against the float64 torch
-reference. Peer: fla's `causal_conv1d(activation="silu")` on the same values (a contiguous x, the layout it takes),
-forward and forward+backward (its backward recomputes the pre-activation, as ours does).
+tokens. Each candidate launch of each kernel in `short_conv.LAUNCH` (tile, warps, program order; persistent
+programs per SM) is checked before it is timed: its output and dx bit-identical to the default launch's, dweight
+within 1e-5 (its partial sums group differently). A backward kernel is timed as the whole backward with the others
+at their defaults. Table: ms (`triton.testing.do_bench` median), the bytes a pass must move at the least over its
+time (forward: read x, write y; backward: read x and dy, write dx), and that rate as a share of a device-to-device
+copy's in the same run. The default launch is also checked against the float64 torch reference. Peers, forward and
+forward+backward: fla's `causal_conv1d(activation="silu")` on the same values (a contiguous x, the layout it takes;
+its backward recomputes the pre-activation, as ours does), and with `--alt NAME=PATH` the `short_conv.py` of
+another copy of the model folder at its default launch (results checked as above), for an A/B of two versions.
 
-    python benchmarks/bench_conv.py --out conv_h200.json
+    python benchmarks/bench_conv.py --out conv_h200.json [--alt NAME=PATH ...]
     TRITON_INTERPRET=1 python benchmarks/bench_conv.py --smoke        # CPU: checks that everything runs
 """
 
 import argparse
+import importlib.machinery
+import importlib.util
 import itertools
 import json
+import os
+import re
 import statistics
+import sys
 import time
 
 import torch
@@ -33,6 +40,8 @@ def parse_args():
     p.add_argument("--channels", type=int, default=3 * 1024)
     p.add_argument("--doc", type=int, default=1024, help="document length of the packed rows")
     p.add_argument("--width", type=int, default=4)
+    p.add_argument("--alt", action="append", default=[], metavar="NAME=PATH",
+                   help="also time the short_conv.py of another copy of the model folder at PATH; repeatable")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--smoke", action="store_true", help="tiny shapes and two candidates a kernel (CPU, interpreter)")
     args = p.parse_args()
@@ -43,7 +52,7 @@ def parse_args():
 
 def candidates(role, smoke):
     """Launches to try for one role: the default first, then tiles of 8 or 16 values a thread at 4 or 8 warps in both
-    program orders; for the persistent dpre kernel also the default tile at other programs per SM."""
+    program orders; for a persistent kernel also the default tile at other programs per SM."""
     default = dict(short_conv.LAUNCH[role])
     if smoke:
         return [default, dict(default, BT=8, BD=16, num_warps=1, channels_first=not default["channels_first"])]
@@ -51,7 +60,7 @@ def candidates(role, smoke):
     for bt, bd, warps, first in itertools.product((16, 32, 64), (32, 64, 128, 256), (4, 8), (False, True)):
         if bt * bd // (32 * warps) in (8, 16):
             out.append(dict(default, BT=bt, BD=bd, num_warps=warps, channels_first=first))
-    if role == "dpre":
+    if "programs_per_sm" in default:
         out += [dict(default, programs_per_sm=p, channels_first=first) for p in (4, 8, 32) for first in (False, True)]
     return [cfg for i, cfg in enumerate(out) if cfg not in out[:i]]
 
@@ -78,6 +87,15 @@ def rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
+def load_alt(label, path):
+    """``short_conv`` of another copy of the model folder at ``path``, imported as a package of its own."""
+    name = "kdamoe_alt_" + re.sub(r"\W", "_", label)
+    spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    spec.submodule_search_locations = [os.path.abspath(path)]
+    sys.modules[name] = importlib.util.module_from_spec(spec)
+    return importlib.import_module(f"{name}.short_conv")
+
+
 def fla_conv():
     try:
         from fla.modules.causal_conv1d import causal_conv1d
@@ -91,12 +109,12 @@ def run_case(name, x, weight, cu, dy, bench, smoke, gbps_copy):
     """Every candidate of the three kernels on one input; returns the rows and the best launch per role."""
     n, c = x.shape[0] * x.shape[1], x.shape[2]
     elem = x.element_size()
-    fwd_bytes, bwd_bytes = 2 * n * c * elem, 6 * n * c * elem  # see the module docstring
+    fwd_bytes, bwd_bytes = 2 * n * c * elem, 3 * n * c * elem  # see the module docstring
     saved = {role: dict(cfg) for role, cfg in short_conv.LAUNCH.items()}
     ref_y = short_conv.conv_silu_fwd(x, weight, cu, None)
     ref_dx, ref_dw = short_conv.conv_silu_bwd(x, weight, cu, None, dy)
     rows, best = [], {}
-    for role in ("fwd", "dpre", "dx"):
+    for role in [r for r in saved if r != "state"]:
         timed = []
         for cfg in candidates(role, smoke):
             short_conv.LAUNCH.update({r: dict(v) for r, v in saved.items()})
@@ -169,29 +187,36 @@ def main():
         rows += r
         best[name] = b
 
-    peer = {}
+    impls = {"ours": short_conv} | {spec.split("=", 1)[0]: load_alt(*spec.split("=", 1)) for spec in args.alt}
     causal_conv1d = fla_conv() if device.type == "cuda" else None  # its autotuner needs a GPU driver
+    peer = {}
     for name, c in (("plain", None), ("packed", cu)):
         xs = x if c is None else x.reshape(1, B * T, C)
-        ours = {}
-        ours["fwd"] = bench(lambda: short_conv.conv_silu_fwd(xs, weight, c, None))
-        ours["fwd+bwd"] = bench(lambda: short_conv.conv_silu_bwd(xs, weight, c, None,
-                                                                 short_conv.conv_silu_fwd(xs, weight, c, None)))
-        peer[name] = dict(ours_default=ours)
-        if causal_conv1d is None:
-            continue
-        xc = xs.contiguous().requires_grad_()
-        wf = weight.detach().requires_grad_()
-        kw = dict(activation="silu") | ({} if c is None else dict(cu_seqlens=c))
-        y_fla = causal_conv1d(xc, wf, **kw)[0]
-        y_ours = short_conv.conv_silu_fwd(xs, weight, c, None)
-        fla = dict(rel_to_ours=rel(y_fla, y_ours))
-        fla["fwd"] = bench(lambda: causal_conv1d(xc, wf, **kw))
         dys = dy.reshape(xs.shape)
-        fla["fwd+bwd"] = bench(lambda: torch.autograd.grad(causal_conv1d(xc, wf, **kw)[0], [xc, wf], dys))
-        peer[name]["fla"] = fla
-        print(f"{name}: ours (default launch) fwd {ours['fwd']:.3f} ms, fwd+bwd {ours['fwd+bwd']:.3f} ms; fla fwd "
-              f"{fla['fwd']:.3f} ms, fwd+bwd {fla['fwd+bwd']:.3f} ms (outputs {fla['rel_to_ours']:.1e} apart)")
+        peer[name] = {}
+        ref = None
+        for label, module in impls.items():
+            y = module.conv_silu_fwd(xs, weight, c, None)
+            dx, dw = module.conv_silu_bwd(xs, weight, c, None, dys)
+            if ref is None:
+                ref = y, dx, dw
+            elif not (torch.equal(y, ref[0]) and torch.equal(dx, ref[1]) and rel(dw, ref[2]) < 1e-5):
+                raise SystemExit(f"{name}: {label}'s results differ from ours")
+            peer[name][label] = dict(
+                fwd=bench(lambda: module.conv_silu_fwd(xs, weight, c, None)),
+                bwd=bench(lambda: module.conv_silu_bwd(xs, weight, c, None, dys)))
+        if causal_conv1d is not None:
+            xc = xs.contiguous().requires_grad_()
+            wf = weight.detach().requires_grad_()
+            kw = dict(activation="silu") | ({} if c is None else dict(cu_seqlens=c))
+            fwd = bench(lambda: causal_conv1d(xc, wf, **kw))
+            both = bench(lambda: torch.autograd.grad(causal_conv1d(xc, wf, **kw)[0], [xc, wf], dys))
+            peer[name]["fla"] = dict(fwd=fwd, bwd=both - fwd, rel_to_ours=rel(causal_conv1d(xc, wf, **kw)[0], ref[0]))
+        print(f"\n{name}, default launches: ms (fla's backward: its forward+backward less its forward)")
+        print("| impl | fwd | bwd | fwd+bwd |")
+        print("|---|---|---|---|")
+        for label, t in peer[name].items():
+            print(f"| {label} | {t['fwd']:.3f} | {t['bwd']:.3f} | {t['fwd'] + t['bwd']:.3f} |")
     for name, b in best.items():
         print(f"{name}: best launches {b}")
 
