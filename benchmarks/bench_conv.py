@@ -18,17 +18,13 @@ another copy of the model folder at its default launch (results checked as above
 """
 
 import argparse
-import importlib.machinery
-import importlib.util
 import itertools
 import json
-import os
-import re
 import statistics
-import sys
 import time
 
 import torch
+from model_folder import import_model_folder
 
 from kdamoe.model import short_conv
 
@@ -85,15 +81,6 @@ def timer(device):
 
 def rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-
-
-def load_alt(label, path):
-    """``short_conv`` of another copy of the model folder at ``path``, imported as a package of its own."""
-    name = "kdamoe_alt_" + re.sub(r"\W", "_", label)
-    spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
-    spec.submodule_search_locations = [os.path.abspath(path)]
-    sys.modules[name] = importlib.util.module_from_spec(spec)
-    return importlib.import_module(f"{name}.short_conv")
 
 
 def fla_conv():
@@ -187,7 +174,10 @@ def main():
         rows += r
         best[name] = b
 
-    impls = {"ours": short_conv} | {spec.split("=", 1)[0]: load_alt(*spec.split("=", 1)) for spec in args.alt}
+    impls = {"ours": short_conv}
+    for spec in args.alt:
+        label, path = spec.split("=", 1)
+        impls[label] = import_model_folder(label, path, "short_conv")
     causal_conv1d = fla_conv() if device.type == "cuda" else None  # its autotuner needs a GPU driver
     peer = {}
     for name, c in (("plain", None), ("packed", cu)):

@@ -12,19 +12,15 @@ table; writes JSON to ``$OUT/bench_kda.json`` (or ``--out``).
 """
 
 import argparse
-import importlib
-import importlib.machinery
-import importlib.util
 import json
 import os
-import re
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
+from model_folder import import_model_folder
 
 from kdamoe.model import kda
 from kdamoe.model.kda_chunk import chunk_kda_triton
@@ -68,11 +64,7 @@ def load_alt(label, path):
     """``chunk_kda_triton`` of another copy of the model folder at ``path`` (e.g. ``mkdir -p alt/B && git archive
     BRANCH src/kdamoe/model | tar -x -C alt/B --strip-components=3``), imported as a package of its own, for an A/B
     timing of two kernel versions in one run."""
-    name = "kdamoe_alt_" + re.sub(r"\W", "_", label)
-    spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
-    spec.submodule_search_locations = [os.path.abspath(path)]
-    sys.modules[name] = importlib.util.module_from_spec(spec)
-    module = importlib.import_module(f"{name}.kda_chunk")
+    module = import_model_folder(label, path, "kda_chunk")
     return lambda x, gate: run_ours(x, gate, module.chunk_kda_triton)
 
 

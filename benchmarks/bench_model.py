@@ -60,15 +60,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib.machinery
 import importlib.metadata
-import importlib.util
 import json
-import os
 import re
 import statistics
 import subprocess
-import sys
 import time
 import types
 import warnings
@@ -76,6 +72,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from model_folder import import_model_folder
 
 import kdamoe
 
@@ -137,13 +134,9 @@ def ours_config(row: Row, s: dict, ours=kdamoe) -> kdamoe.KDAMoEConfig:
 
 def load_alt(name: str, path: str) -> types.SimpleNamespace:
     """`KDAMoEConfig` and `KDAMoEForCausalLM` of the model folder at `path`, imported as a package of its own."""
-    package = "kdamoe_alt_" + name
-    spec = importlib.machinery.ModuleSpec(package, None, is_package=True)
-    spec.submodule_search_locations = [os.path.abspath(path)]
-    sys.modules[package] = importlib.util.module_from_spec(spec)
     return types.SimpleNamespace(
-        KDAMoEConfig=importlib.import_module(f"{package}.configuration_kdamoe").KDAMoEConfig,
-        KDAMoEForCausalLM=importlib.import_module(f"{package}.modeling_kdamoe").KDAMoEForCausalLM)
+        KDAMoEConfig=import_model_folder(name, path, "configuration_kdamoe").KDAMoEConfig,
+        KDAMoEForCausalLM=import_model_folder(name, path, "modeling_kdamoe").KDAMoEForCausalLM)
 
 
 OURS = {"ours": kdamoe}  # library name -> namespace with KDAMoEConfig and KDAMoEForCausalLM (`--alt` adds)

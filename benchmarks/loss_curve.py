@@ -23,17 +23,13 @@ after every optimizer step.
 """
 
 import argparse
-import importlib
-import importlib.machinery
-import importlib.util
 import json
 import math
-import os
-import sys
 import time
 from pathlib import Path
 
 import torch
+from model_folder import import_model_folder
 
 SEQ_LEN = 1024
 
@@ -62,12 +58,7 @@ def make_rows(out: Path, rows: int, vocab: int) -> None:
 
 def load_package(path: str):
     """The model folder at `path` imported as a package of its own (its modules import each other relatively)."""
-    name = "kdamoe_ref_model"
-    spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
-    spec.submodule_search_locations = [os.path.abspath(path)]
-    sys.modules[name] = importlib.util.module_from_spec(spec)
-    return (importlib.import_module(f"{name}.configuration_kdamoe"),
-            importlib.import_module(f"{name}.modeling_kdamoe"))
+    return import_model_folder("ref", path, "configuration_kdamoe"), import_model_folder("ref", path, "modeling_kdamoe")
 
 
 def config_kwargs(data: dict) -> dict:
