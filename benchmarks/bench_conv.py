@@ -5,7 +5,8 @@ The shape is the twin's KDA layer (bench_model.py): B x T tokens of C = 3 x 1024
 column slice of a wider projection the layer passes, bf16, width 4; plain rows, and packed documents of `--doc`
 tokens. Each candidate launch of each kernel in `short_conv.LAUNCH` (tile, warps, program order; persistent
 programs per SM) is checked before it is timed: its output and dx bit-identical to the default launch's, dweight
-within 1e-5 (its partial sums group differently). A backward kernel is timed as the whole backward with the others
+within 1e-3 of it (its fp32 partial sums group differently and the bf16 result rounds apart, ~4e-5 on the GPU; the
+default's own error against float64 is ~2e-3). A backward kernel is timed as the whole backward with the others
 at their defaults. Table: ms (`triton.testing.do_bench` median), the bytes a pass must move at the least over its
 time (forward: read x, write y; backward: read x and dy, write dx), and that rate as a share of a device-to-device
 copy's in the same run. The default launch is also checked against the float64 torch reference. Peers, forward and
@@ -115,7 +116,7 @@ def run_case(name, x, weight, cu, dy, bench, smoke, gbps_copy):
                 fn = lambda: short_conv.conv_silu_bwd(x, weight, cu, None, dy)  # noqa: E731
                 dx, dw = fn()
                 err = rel(dw, ref_dw)
-                ok = torch.equal(dx, ref_dx) and err < 1e-5
+                ok = torch.equal(dx, ref_dx) and err < 1e-3
                 moved = bwd_bytes
             if not ok:
                 raise SystemExit(f"{name} {role} {cfg}: result differs from the default launch (dweight {err:.1e})")

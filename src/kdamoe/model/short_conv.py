@@ -26,8 +26,9 @@ tokens x 6144 channels pass 2^31):
   costs more than the buffer's traffic.
 - ``short_conv_state``: one program per (row, channel block) gathers the row's last W inputs.
 
-Tile sizes and program order (``LAUNCH``) are picks from what the kernels compile to for sm_90 (bf16 x, W = 4: no
-spills), not from timings; ``benchmarks/bench_conv.py`` times the candidates on a GPU.
+Tile sizes and program order (``LAUNCH``): the forward's is the fastest of ``benchmarks/bench_conv.py``'s sweep on an
+H200 (BENCHMARKS.md); the backward's are picks from what the kernels compile to for sm_90 (bf16 x, W = 4: no spills),
+the sweep of their candidates not yet complete.
 """
 
 import torch
@@ -39,7 +40,7 @@ if triton is not None:
     import triton.language as tl
 
 LAUNCH = {
-    "fwd": dict(BT=64, BD=64, num_warps=8, channels_first=False),
+    "fwd": dict(BT=16, BD=128, num_warps=4, channels_first=False),
     "dpre": dict(BT=32, BD=64, num_warps=4, programs_per_sm=16, channels_first=False),
     "dx": dict(BT=64, BD=64, num_warps=8, channels_first=False),
     "state": dict(BD=128, num_warps=4),
