@@ -1,6 +1,7 @@
 """kdamoe-ablate end to end on a minuscule model: the report's numbers are those of the runs' own files, finished runs
 are reused, and user errors are one line with exit status 2."""
 
+import copy
 import json
 import os
 import subprocess
@@ -123,6 +124,29 @@ def test_merge_reports_partial_ablations_as_one(ablation, tmp_path):
     # a run in both folders is taken from the first, once
     again = ablate(["--merge", f"{parts[0]},{parts[0]}", "--output-dir", str(tmp_path / "twice")])
     assert again["seeds"] == [0] and again["factors"]["kda_gate"]["summary"]["bounded"]["val_loss"]["n"] == 1
+
+
+def test_merge_keeps_each_factors_own_copy_of_the_shared_run(ablation, tmp_path):
+    """Jobs of different factors each train the base config: merged, each factor compares the runs of its own jobs
+    (the base run of another job differs by GPU nondeterminism and by what ran beside it), the second under the name
+    "base (<factor>)"."""
+    out, _, results = ablation
+    other = copy.deepcopy(results)  # a job of residual_mode whose base run ended elsewhere
+    other["factors"] = {"residual_mode": {"runs": {"block_attnres": "base", "standard": "residual_mode=standard"}}}
+    base = {seed: dict(m, val_loss=m["val_loss"] + 1.0) for seed, m in results["runs"]["base"].items()}
+    standard = {seed: dict(m, val_loss=m["val_loss"] + 2.0) for seed, m in results["runs"]["base"].items()}
+    other["runs"] = {"base": base, "residual_mode=standard": standard}
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "results.json").write_text(json.dumps(other))
+    own_loss = results["factors"]["kda_gate"]["summary"]["bounded"]["val_loss"]["mean"]
+    for order, shared in (((out, tmp_path / "other"), "kda_gate"), ((tmp_path / "other", out), "residual_mode")):
+        merged = ablate(["--merge", ",".join(map(str, order)), "--output-dir", str(tmp_path / "merged")])
+        gate, residual = merged["factors"]["kda_gate"], merged["factors"]["residual_mode"]
+        assert gate["runs"]["bounded"] == ("base" if shared == "kda_gate" else "base (kda_gate)")
+        assert residual["runs"]["block_attnres"] == ("base" if shared == "residual_mode" else "base (residual_mode)")
+        assert gate["summary"]["bounded"]["val_loss"]["mean"] == pytest.approx(own_loss)
+        assert residual["summary"]["block_attnres"]["val_loss"]["mean"] == pytest.approx(own_loss + 1.0)
+        assert residual["summary"]["standard"]["val_loss"]["mean"] == pytest.approx(own_loss + 2.0)
 
 
 def test_merge_refuses_unmatched_runs_and_other_flags(ablation, tmp_path, capsys):

@@ -30,7 +30,9 @@ report and the per-run metrics it comes from), PNG plots when matplotlib is inst
 report is rewritten after every finished run, so an ablation killed part way keeps the report of the runs it finished.
 `--merge DIR,DIR,...` trains nothing: it writes the report of the runs in those folders' `results.json` (ablations
 of other factors or seeds with the same kdamoe-train flags and config, e.g. run in separate jobs or on separate
-machines, each bringing back its results.json); a run (name and seed) in several of them is taken from the first.
+machines, each bringing back its results.json); a run (name and seed) in several of them is taken from the first,
+except that each factor compares the runs of the jobs that ran it: its copy of a shared run (the base config) that
+differs from the first is reported as "<run> (<factor>)".
 User errors are one line on stderr and exit status 2.
 """
 
@@ -494,7 +496,8 @@ def write_results(out: Path, seeds: list[int], train_argv: list[str], config: st
 
 def merge(folders: list[Path], out: Path) -> dict:
     """One report from the `results.json` of earlier ablations (same kdamoe-train flags and config): their factors
-    and runs together; a run (name, seed) found in several is taken from the first folder that has it."""
+    and runs together; a run (name, seed) found in several is taken from the first folder that has it, and a factor
+    whose own jobs hold another copy of it reports that copy as "<run> (<factor>)"."""
     parts = []
     for folder in folders:
         path = folder / "results.json"
@@ -509,13 +512,27 @@ def merge(folders: list[Path], out: Path) -> dict:
                              f"({part['train_argv']} / {part['config']} against {first['train_argv']} / "
                              f"{first['config']}): its runs are not matched")
     metrics: dict[str, dict[int, dict]] = {}
-    factor_runs: dict[str, dict[str, str]] = {}
     for part in parts:
         for name, per_seed in part["runs"].items():
             for seed, m in per_seed.items():
                 metrics.setdefault(name, {}).setdefault(int(seed), m)
+    # a factor compares the runs of the jobs that ran it (matched in data, in GPU nondeterminism and in what ran
+    # beside them): where its shared run (the base config) was taken from a job of other factors, it keeps its own
+    # jobs' copy under the name "<run> (<factor>)"
+    own: dict[str, dict[str, tuple[str, dict[int, dict]]]] = {}  # factor -> value -> (run name, seed -> metrics)
+    for part in parts:
         for factor, entry in part["factors"].items():
-            factor_runs.setdefault(factor, {}).update(entry["runs"])
+            for value, name in entry["runs"].items():
+                _, per_seed = own.setdefault(factor, {}).setdefault(value, (name, {}))
+                for seed, m in part["runs"].get(name, {}).items():
+                    per_seed.setdefault(int(seed), m)
+    factor_runs: dict[str, dict[str, str]] = {}
+    for factor, values in own.items():
+        for value, (name, per_seed) in values.items():
+            if any(metrics[name].get(seed) is not m for seed, m in per_seed.items()):
+                name = f"{name} ({factor})"
+                metrics[name] = per_seed
+            factor_runs.setdefault(factor, {})[value] = name
     seeds = sorted({seed for per_seed in metrics.values() for seed in per_seed})
     return write_results(out, seeds, first["train_argv"], first["config"], factor_runs, metrics)
 
