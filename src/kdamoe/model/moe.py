@@ -16,6 +16,10 @@ try:
     )
 except ImportError:
     situ_glu_fwd_triton = situ_glu_bwd_triton = gather_sum_triton = combine_bwd_triton = gather_rows_triton = None
+try:
+    from .moe_balancing_triton import histogram_quantile, threshold_histogram
+except ImportError:
+    histogram_quantile = threshold_histogram = None
 
 from .expert_parallel import dispatch
 
@@ -514,24 +518,57 @@ def balanced_bias(scores: torch.Tensor, bias: torch.Tensor, top_k: int, iteratio
     the exact quantile, finer than the spread of a router whose scores barely differ between tokens.
 
     `scores [..., N, E]`, `bias [..., E]`: the leading dims are independent problems (the MoE layers of a model, one
-    batched computation for all); only the rows where `token_mask [..., N]` (or `[N]`) is True count. On the device,
-    no host synchronisation; returns `[..., E]` float64."""
+    batched computation for all); only the rows where `token_mask [..., N]` (or `[N]`) is True count. On a GPU with
+    fp32 scores the histograms come from the Triton kernels of `moe_balancing_triton` (the same counts and
+    read-outs, bit for bit, without the `[..., N, E]` float64 intermediates). On the device, no host
+    synchronisation; returns `[..., E]` float64."""
     q = top_k / scores.shape[-1]
     new = bias.double()
+    fused = _use_balancing_kernels(scores, num_bins)
+    if fused:
+        scores = scores.reshape(-1, *scores.shape[-2:]).contiguous()
+        if token_mask is not None and token_mask.dim() > 1:
+            token_mask = token_mask.reshape(-1, token_mask.shape[-1])
     for _ in range(iterations):
-        r = selection_thresholds(scores, new, top_k)  # [..., N, E]
         low = (new.amin(-1, keepdim=True) - 1.0).expand_as(new).reshape(-1)
         high = (new.amax(-1, keepdim=True) + 1.0).expand_as(new).reshape(-1)
-        coarse = QuantileHistogram(new.numel(), num_bins, low, high)
-        coarse.add(r, token_mask)
-        if reduce is not None:
-            reduce(coarse.counts)
-        fine = coarse.refine(q)
-        fine.add(r, token_mask)
-        if reduce is not None:
-            reduce(fine.counts)
-        new = _centre(fine.quantile(q).view_as(new))
+        if fused:
+            quantile = _fused_quantile(scores, new.reshape(scores.shape[0], -1), top_k, low, high, num_bins, q,
+                                       token_mask, reduce)
+        else:
+            r = selection_thresholds(scores, new, top_k)  # [..., N, E]
+            coarse = QuantileHistogram(new.numel(), num_bins, low, high)
+            coarse.add(r, token_mask)
+            if reduce is not None:
+                reduce(coarse.counts)
+            fine = coarse.refine(q)
+            fine.add(r, token_mask)
+            if reduce is not None:
+                reduce(fine.counts)
+            quantile = fine.quantile(q)
+        new = _centre(quantile.view_as(new))
     return new
+
+
+def _use_balancing_kernels(scores: torch.Tensor, num_bins: int) -> bool:
+    return (threshold_histogram is not None and scores.is_cuda and scores.dtype == torch.float32
+            and 1 < num_bins <= 1 << 14 and scores.shape[-1] <= 1024)
+
+
+def _fused_quantile(scores, bias, top_k, low, high, num_bins, q, token_mask, reduce) -> torch.Tensor:
+    """One step of `balanced_bias` with the Triton kernels: `scores [L, N, E]` fp32, `bias [L, E]` float64, the
+    coarse range `low`, `high [L * E]`; returns the k/E quantiles `[L * E]` float64."""
+    width = (high - low) / num_bins
+    counts = threshold_histogram(scores, bias, top_k, low, width, num_bins, token_mask)
+    if reduce is not None:
+        reduce(counts)
+    _, edges = histogram_quantile(counts, low, width, q)
+    low, high = edges.unbind(-1)
+    width = (high - low) / num_bins
+    counts = threshold_histogram(scores, bias, top_k, low, width, num_bins, token_mask)
+    if reduce is not None:
+        reduce(counts)
+    return histogram_quantile(counts, low, width, q)[0]
 
 
 def smoothed_bias(fixed_point: torch.Tensor, bias: torch.Tensor, state: torch.Tensor, window: int):
