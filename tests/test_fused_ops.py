@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from triton_interpreter import DEV, check_compiles_for_sm90, kernel_test, rerun_in_interpreter, rerun_test
+from triton_interpreter import DEV, ON_GPU, check_compiles_for_sm90, kernel_test, rerun_in_interpreter, rerun_test
 from conftest import rel
 
 from kdamoe.model import fused_norm, kda, modeling_kdamoe, short_conv  # noqa: E402
@@ -27,6 +27,7 @@ pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 TOL = 1e-5  # fp32 kernels against float64 (no tensor-core products anywhere)
 EPS = 1e-6
 W_CONV = 4
+KDA_TOL, KDA_GRAD_TOL = (5e-3, 1e-2) if ON_GPU else (1e-4, 1e-4)  # the chunk kernels' tf32 dots on the GPU
 
 
 @rerun_test
@@ -142,12 +143,12 @@ def test_conv_chunk_kda_matches_float64_composition(small_tiles, gate, B, T, len
                             use_gate_in_kernel=True, A_log=A64, dt_bias=dt64, gate=gate, lower_bound=lb,
                             output_final_state=True, backend="torch")
     assert o.shape == ro.shape and ht.shape == rht.shape
-    assert rel(o, ro) < 1e-4 and rel(ht, rht) < 1e-4
+    assert rel(o, ro) < KDA_TOL and rel(ht, rht) < KDA_TOL
     cots = torch.randn_like(o), torch.randn_like(ht)
     grads = torch.autograd.grad((o, ht), [wide, weight, g, beta, A_log, dt_bias], cots)
     ref_grads = torch.autograd.grad((ro, rht), refs, [c.double() for c in cots])
     for name, a, b in zip(["qkv", "weight", "g", "beta", "A_log", "dt_bias"], grads, ref_grads):
-        assert a.shape == b.shape and rel(a, b) < 1e-4, name
+        assert a.shape == b.shape and rel(a, b) < KDA_GRAD_TOL, name
     assert grads[0][..., 0].abs().max() == 0 and grads[0][..., C + 1:].abs().max() == 0  # outside the slice
 
 

@@ -41,8 +41,8 @@ if triton is not None:
 
 LAUNCH = {
     "fwd": dict(BT=16, BD=128, num_warps=4, channels_first=False),
-    "dpre": dict(BT=32, BD=64, num_warps=4, programs_per_sm=16, channels_first=False),
-    "dx": dict(BT=64, BD=64, num_warps=8, channels_first=False),
+    "dpre": dict(BT=64, BD=32, num_warps=4, programs_per_sm=16, channels_first=False),
+    "dx": dict(BT=16, BD=128, num_warps=4, channels_first=False),
     "state": dict(BD=128, num_warps=4),
 }
 
