@@ -64,13 +64,22 @@ def test_threshold_histogram_and_quantile_match_torch(L, N, E, k, bins, mask, ti
     assert (fine.counts[:, 0] > 0).any() and (fine.counts[:, -1] > 0).any()  # values clamped into the end bins
 
     dev = lambda t: None if t is None else t.to(DEV)  # noqa: E731
-    for hist in (coarse, fine):
-        got = threshold_histogram(dev(scores), dev(bias), k, dev(hist.low), dev(hist.width), bins, dev(token_mask))
-        assert torch.equal(got.cpu(), hist.counts)
-        quantile, edges = histogram_quantile(dev(hist.counts), dev(hist.low), dev(hist.width), q)
-        assert torch.equal(quantile.cpu(), hist.quantile(q))
-        refined = hist.refine(q)
-        assert torch.equal(edges.cpu(), torch.stack([refined.low, refined.high], -1))
+    scores, bias, token_mask, qt = dev(scores), dev(bias), dev(token_mask), torch.tensor(q, dtype=torch.float64,
+                                                                                           device=DEV)
+    counts = torch.zeros(L * E, bins, dtype=torch.int64, device=DEV)
+    range_low, range_width = torch.empty(2, L * E, dtype=torch.float64, device=DEV)
+    # the coarse histogram over each layer's [min(bias) - 1, max(bias) + 1], then its quantile and refined range
+    assert torch.equal(threshold_histogram(scores, bias, k, counts, token_mask=token_mask).cpu(), coarse.counts)
+    quantile = histogram_quantile(counts, bias, qt, range_low, range_width, coarse=True)
+    assert torch.equal(quantile.cpu(), coarse.quantile(q)) and not counts.any()  # read, then zeroed
+    assert torch.equal(range_low.cpu(), fine.low) and torch.equal(range_width.cpu(), fine.width)
+    # the fine histogram inside the bin found
+    threshold_histogram(scores, bias, k, counts, range_low, range_width, token_mask)
+    assert torch.equal(counts.cpu(), fine.counts)
+    quantile = histogram_quantile(counts, bias, qt, range_low, range_width, coarse=False)
+    assert torch.equal(quantile.cpu(), fine.quantile(q))
+    refined = fine.refine(q)
+    assert torch.equal(range_low.cpu(), refined.low) and torch.equal(range_width.cpu(), refined.width)
 
 
 @kernel_test
@@ -83,11 +92,14 @@ def test_histogram_quantile_of_empty_and_piled_up_columns():
     high = low + torch.tensor([2.0, 1.0, 0.25, 6.0], dtype=torch.float64)
     hist = QuantileHistogram(4, 10, low, high)
     hist.counts = counts
+    unused_bias = torch.zeros(1, 4, dtype=torch.float64, device=DEV)
     for q in (0.0, 2 / 6, 0.5, 1.0):
-        quantile, edges = histogram_quantile(counts.to(DEV), hist.low.to(DEV), hist.width.to(DEV), q)
+        range_low, range_width = hist.low.to(DEV, copy=True), hist.width.to(DEV, copy=True)  # overwritten
+        quantile = histogram_quantile(counts.to(DEV), unused_bias, torch.tensor(q, dtype=torch.float64, device=DEV),
+                                      range_low, range_width, coarse=False)
         assert torch.equal(quantile.cpu(), hist.quantile(q)), q
         refined = hist.refine(q)
-        assert torch.equal(edges.cpu(), torch.stack([refined.low, refined.high], -1)), q
+        assert torch.equal(range_low.cpu(), refined.low) and torch.equal(range_width.cpu(), refined.width), q
 
 
 @kernel_test
@@ -134,12 +146,15 @@ scores = torch.rand(L, N, E)
 bias = torch.zeros(L, E, dtype=torch.float64)
 low = torch.full((L * E,), -1.0, dtype=torch.float64)
 width = torch.full((L * E,), 2e-3, dtype=torch.float64)
+counts = torch.zeros(L * E, 1000, dtype=torch.int64)
+q = torch.tensor(4 / 64, dtype=torch.float64)
 if kernel.fn.__name__ == "_threshold_histogram_kernel":
-    mbt.threshold_histogram(scores, bias, 4, low, width, 1000, torch.ones(L, N, dtype=torch.bool))
-    mbt.threshold_histogram(scores[:, :, :48].contiguous(), bias[:, :48], 8, low[: L * 48], width[: L * 48], 1000)
+    mbt.threshold_histogram(scores, bias, 4, counts, token_mask=torch.ones(L, N, dtype=torch.bool))
+    mbt.threshold_histogram(scores[:, :, :48].contiguous(), bias[:, :48], 8, counts[: L * 48], low[: L * 48],
+                            width[: L * 48])
 else:
-    mbt.histogram_quantile(torch.zeros(L * E, 1000, dtype=torch.int64), low, width, 4 / 64)
-    mbt.histogram_quantile(torch.zeros(L * E, 300, dtype=torch.int64), low, width, 4 / 64)
+    mbt.histogram_quantile(counts, bias, q, low, width, coarse=True)
+    mbt.histogram_quantile(counts[:, :300].contiguous(), bias, q, low, width, coarse=False)
 """
 
 

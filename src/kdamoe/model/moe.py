@@ -524,29 +524,21 @@ def balanced_bias(scores: torch.Tensor, bias: torch.Tensor, top_k: int, iteratio
     synchronisation; returns `[..., E]` float64."""
     q = top_k / scores.shape[-1]
     new = bias.double()
-    fused = _use_balancing_kernels(scores, num_bins)
-    if fused:
-        scores = scores.reshape(-1, *scores.shape[-2:]).contiguous()
-        if token_mask is not None and token_mask.dim() > 1:
-            token_mask = token_mask.reshape(-1, token_mask.shape[-1])
+    if _use_balancing_kernels(scores, num_bins):
+        return _balanced_bias_fused(scores, new, top_k, iterations, num_bins, q, token_mask, reduce)
     for _ in range(iterations):
+        r = selection_thresholds(scores, new, top_k)  # [..., N, E]
         low = (new.amin(-1, keepdim=True) - 1.0).expand_as(new).reshape(-1)
         high = (new.amax(-1, keepdim=True) + 1.0).expand_as(new).reshape(-1)
-        if fused:
-            quantile = _fused_quantile(scores, new.reshape(scores.shape[0], -1), top_k, low, high, num_bins, q,
-                                       token_mask, reduce)
-        else:
-            r = selection_thresholds(scores, new, top_k)  # [..., N, E]
-            coarse = QuantileHistogram(new.numel(), num_bins, low, high)
-            coarse.add(r, token_mask)
-            if reduce is not None:
-                reduce(coarse.counts)
-            fine = coarse.refine(q)
-            fine.add(r, token_mask)
-            if reduce is not None:
-                reduce(fine.counts)
-            quantile = fine.quantile(q)
-        new = _centre(quantile.view_as(new))
+        coarse = QuantileHistogram(new.numel(), num_bins, low, high)
+        coarse.add(r, token_mask)
+        if reduce is not None:
+            reduce(coarse.counts)
+        fine = coarse.refine(q)
+        fine.add(r, token_mask)
+        if reduce is not None:
+            reduce(fine.counts)
+        new = _centre(fine.quantile(q).view_as(new))
     return new
 
 
@@ -555,20 +547,29 @@ def _use_balancing_kernels(scores: torch.Tensor, num_bins: int) -> bool:
             and 1 < num_bins <= 1 << 14 and scores.shape[-1] <= 1024)
 
 
-def _fused_quantile(scores, bias, top_k, low, high, num_bins, q, token_mask, reduce) -> torch.Tensor:
-    """One step of `balanced_bias` with the Triton kernels: `scores [L, N, E]` fp32, `bias [L, E]` float64, the
-    coarse range `low`, `high [L * E]`; returns the k/E quantiles `[L * E]` float64."""
-    width = (high - low) / num_bins
-    counts = threshold_histogram(scores, bias, top_k, low, width, num_bins, token_mask)
-    if reduce is not None:
-        reduce(counts)
-    _, edges = histogram_quantile(counts, low, width, q)
-    low, high = edges.unbind(-1)
-    width = (high - low) / num_bins
-    counts = threshold_histogram(scores, bias, top_k, low, width, num_bins, token_mask)
-    if reduce is not None:
-        reduce(counts)
-    return histogram_quantile(counts, low, width, q)[0]
+def _balanced_bias_fused(scores, new, top_k, iterations, num_bins, q, token_mask, reduce) -> torch.Tensor:
+    """`balanced_bias` with the Triton kernels of `moe_balancing_triton`: per step two histograms of two kernels
+    each (the coarse range read from the bias inside them, the refined range and the zeroed counts left by the
+    reading kernel), then the centring; `new [..., E]` float64."""
+    shape = new.shape
+    scores = scores.reshape(-1, *scores.shape[-2:]).contiguous()  # [L, N, E]
+    if token_mask is not None and token_mask.dim() > 1:
+        token_mask = token_mask.reshape(-1, token_mask.shape[-1])
+    columns = new.numel()
+    counts = torch.zeros(columns, num_bins, dtype=torch.int64, device=scores.device)
+    low, width = torch.empty(2, columns, dtype=torch.float64, device=scores.device)
+    q = torch.full((), q, dtype=torch.float64, device=scores.device)
+    for _ in range(iterations):
+        bias = new.reshape(scores.shape[0], -1).contiguous()
+        threshold_histogram(scores, bias, top_k, counts, token_mask=token_mask)
+        if reduce is not None:
+            reduce(counts)
+        histogram_quantile(counts, bias, q, low, width, coarse=True)
+        threshold_histogram(scores, bias, top_k, counts, low, width, token_mask)
+        if reduce is not None:
+            reduce(counts)
+        new = _centre(histogram_quantile(counts, bias, q, low, width, coarse=False).view(shape))
+    return new
 
 
 def smoothed_bias(fixed_point: torch.Tensor, bias: torch.Tensor, state: torch.Tensor, window: int):

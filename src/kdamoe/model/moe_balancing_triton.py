@@ -2,17 +2,21 @@
 
 One iteration of the update reads two histograms of every expert's selection thresholds `r [L, N, E]` (coarse, then
 inside the bin that holds the quantile). In torch that is ~90 launches over `[L, N, E]` float64 values an iteration
-and a `scatter_add_` whose values pile into a column's end bins; here it is two kernels a histogram:
+and a `scatter_add_` whose values pile into a column's end bins; here it is two kernels a histogram, and no torch op
+between them:
 
 - `threshold_histogram`: each program takes a block of tokens of one layer, computes their thresholds in registers
   from the fp32 scores (`moe.selection_thresholds`: the k-th and (k+1)-th largest `scores + bias` of a token, found by
   k+1 rounds of max-and-remove-one, so ties count as `torch.topk` counts them) and adds their bins to the int64 counts
   (`QuantileHistogram.add`: the same float64 operations); the first and last bins, where everything outside a refined
-  range lands, are summed in the program before one atomic add a column.
+  range lands, are summed in the program before one atomic add a column. Without a range it bins over the coarse
+  range `[min(bias) - 1, max(bias) + 1]` of the token's layer.
 - `histogram_quantile`: one program a column reads the quantile and the bin that holds it from the counts
-  (`QuantileHistogram.quantile` / `refine`: the same float64 operations, compiled without FMA contraction).
+  (`QuantileHistogram.quantile` / `refine`: the same float64 operations, compiled without FMA contraction), writes
+  the quantile and the refined range (its low edge and bin width), and zeroes the column's counts for the next
+  histogram.
 
-Counts are integers and their float64 sums exact, so both equal the torch path bit for bit (tests/test_balancing.py).
+Counts are integers and their float64 sums exact, so both equal the torch path bit for bit (tests/test_balancing_triton.py).
 """
 
 import torch
@@ -25,9 +29,19 @@ except ImportError as error:
 
 
 @triton.jit
+def _coarse_range(bias_ptr, layer, E, NUM_BINS: tl.constexpr, BE: tl.constexpr):
+    """`QuantileHistogram`'s coarse range of a layer: low = min(bias) - 1 and the bin width of `[low, max(bias) + 1]`."""
+    cols = tl.arange(0, BE)
+    bias = tl.load(bias_ptr + layer * E + cols, mask=cols < E, other=0.0)
+    low = tl.min(tl.where(cols < E, bias, float("inf")), axis=0) - 1.0
+    high = tl.max(tl.where(cols < E, bias, float("-inf")), axis=0) + 1.0
+    return low, (high - low) / NUM_BINS
+
+
+@triton.jit
 def _threshold_histogram_kernel(s_ptr, bias_ptr, low_ptr, width_ptr, mask_ptr, counts_ptr, N, E, mask_stride,
                                 TOP_K: tl.constexpr, NUM_BINS: tl.constexpr, HAS_MASK: tl.constexpr,
-                                BT: tl.constexpr, BE: tl.constexpr):
+                                COARSE: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr):
     layer = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.arange(0, BE)
@@ -49,9 +63,13 @@ def _threshold_histogram_kernel(s_ptr, bias_ptr, low_ptr, width_ptr, mask_ptr, c
     r = tl.where(x > top[:, None], top[:, None], kth[:, None]) - s
 
     column = layer * E + cols
-    low = tl.load(low_ptr + column, mask=col_ok, other=0.0)
-    width = tl.load(width_ptr + column, mask=col_ok, other=1.0)
-    position = tl.floor((r.to(tl.float64) - low[None, :]) / width[None, :])
+    if COARSE:
+        low, width = _coarse_range(bias_ptr, layer, E, NUM_BINS, BE)
+        position = tl.floor((r.to(tl.float64) - low) / width)
+    else:
+        low = tl.load(low_ptr + column, mask=col_ok, other=0.0)
+        width = tl.load(width_ptr + column, mask=col_ok, other=1.0)
+        position = tl.floor((r.to(tl.float64) - low[None, :]) / width[None, :])
     bins = tl.minimum(tl.maximum(position, 0.0), NUM_BINS - 1).to(tl.int64)
     if HAS_MASK:
         weight = tl.load(mask_ptr + layer * mask_stride + rows, mask=row_ok, other=0).to(tl.int64)
@@ -68,52 +86,62 @@ def _threshold_histogram_kernel(s_ptr, bias_ptr, low_ptr, width_ptr, mask_ptr, c
 
 
 @triton.jit
-def _histogram_quantile_kernel(counts_ptr, low_ptr, width_ptr, q_ptr, quantile_ptr, edge_ptr,
-                               NUM_BINS: tl.constexpr, BLOCK: tl.constexpr):
+def _histogram_quantile_kernel(counts_ptr, bias_ptr, low_ptr, width_ptr, q_ptr, quantile_ptr, E,
+                               NUM_BINS: tl.constexpr, COARSE: tl.constexpr, BLOCK: tl.constexpr, BE: tl.constexpr):
     column = tl.program_id(0).to(tl.int64)
     index = tl.arange(0, BLOCK)
-    counts = tl.load(counts_ptr + column * NUM_BINS + index, mask=index < NUM_BINS, other=0).to(tl.float64)
+    in_range = index < NUM_BINS
+    counts = tl.load(counts_ptr + column * NUM_BINS + index, mask=in_range, other=0).to(tl.float64)
+    tl.store(counts_ptr + column * NUM_BINS + index, tl.zeros([BLOCK], dtype=tl.int64), mask=in_range)
     cum = tl.cumsum(counts, axis=0)
     total = tl.sum(tl.where(index == NUM_BINS - 1, cum, 0.0), axis=0)
     target = tl.load(q_ptr) * total
-    b = tl.min(tl.where((cum >= target) & (index < NUM_BINS), index, NUM_BINS - 1), axis=0)
+    b = tl.min(tl.where((cum >= target) & in_range, index, NUM_BINS - 1), axis=0)
     below = tl.sum(tl.where(index == b - 1, cum, 0.0), axis=0)
     inside = tl.sum(tl.where(index == b, counts, 0.0), axis=0)
     frac = tl.where(inside > 0, (target - below) / tl.maximum(inside, 1.0), 0.0)
-    low = tl.load(low_ptr + column)
-    width = tl.load(width_ptr + column)
+    if COARSE:
+        low, width = _coarse_range(bias_ptr, column // E, E, NUM_BINS, BE)
+    else:
+        low = tl.load(low_ptr + column)
+        width = tl.load(width_ptr + column)
     tl.store(quantile_ptr + column, low + (b.to(tl.float64) + frac) * width)
-    tl.store(edge_ptr + 2 * column, low + b.to(tl.float64) * width)
-    tl.store(edge_ptr + 2 * column + 1, low + (b + 1).to(tl.float64) * width)
+    edge = low + b.to(tl.float64) * width
+    tl.store(low_ptr + column, edge)  # the refined range, for the next histogram
+    tl.store(width_ptr + column, (low + (b + 1).to(tl.float64) * width - edge) / NUM_BINS)
 
 
-def threshold_histogram(scores: torch.Tensor, bias: torch.Tensor, top_k: int, low: torch.Tensor, width: torch.Tensor,
-                        num_bins: int, token_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """int64 counts `[L * E, num_bins]` of `selection_thresholds(scores, bias, top_k)` binned as
-    `QuantileHistogram(L * E, num_bins, low, low + num_bins * width).add(r, token_mask)` bins them. `scores [L, N, E]`
-    fp32 contiguous, `bias [L, E]` float64, `low`, `width [L * E]` float64, `token_mask` bool `[L, N]` or `[N]`."""
+def threshold_histogram(scores: torch.Tensor, bias: torch.Tensor, top_k: int, counts: torch.Tensor,
+                        low: torch.Tensor | None = None, width: torch.Tensor | None = None,
+                        token_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Add `selection_thresholds(scores, bias, top_k)` to the int64 `counts [L * E, B]`, binned as
+    `QuantileHistogram(L * E, B, low, low + B * width).add(r, token_mask)` bins them; without `low` and `width`
+    (`[L * E]` float64) over each layer's coarse range `[min(bias) - 1, max(bias) + 1]`. `scores [L, N, E]` fp32
+    contiguous, `bias [L, E]` float64, `token_mask` bool `[L, N]` or `[N]`. Returns `counts`."""
     L, N, E = scores.shape
-    counts = torch.zeros(L * E, num_bins, dtype=torch.int64, device=scores.device)
     BE = triton.next_power_of_2(E)
     BT = max(1, 1024 // BE)
-    mask = token_mask if token_mask is not None else scores  # unused without a mask
+    coarse = low is None
+    bias = bias.contiguous()
     mask_stride = 0 if token_mask is None or token_mask.dim() == 1 else token_mask.stride(0)
-    if token_mask is not None:
-        mask = token_mask.contiguous().view(torch.uint8)
+    mask = scores if token_mask is None else token_mask.contiguous().view(torch.uint8)  # unused without a mask
     _threshold_histogram_kernel[(triton.cdiv(N, BT), L)](
-        scores, bias.contiguous(), low.contiguous(), width.contiguous(), mask, counts, N, E, mask_stride,
-        TOP_K=top_k, NUM_BINS=num_bins, HAS_MASK=token_mask is not None, BT=BT, BE=BE, num_warps=4)
+        scores, bias, bias if coarse else low, bias if coarse else width, mask, counts, N, E, mask_stride,
+        TOP_K=top_k, NUM_BINS=counts.shape[1], HAS_MASK=token_mask is not None, COARSE=coarse, BT=BT, BE=BE,
+        num_warps=4)
     return counts
 
 
-def histogram_quantile(counts: torch.Tensor, low: torch.Tensor, width: torch.Tensor, q: float):
-    """Per column of `counts [C, B]` (bins of `width` from `low`, `[C]` float64): the q-quantile `[C]` and the edges
-    `[C, 2]` of the bin that holds it, as `QuantileHistogram.quantile(q)` and `refine(q)` read them."""
+def histogram_quantile(counts: torch.Tensor, bias: torch.Tensor, q: torch.Tensor, low: torch.Tensor,
+                       width: torch.Tensor, coarse: bool) -> torch.Tensor:
+    """Per column of `counts [C, B]`: the q-quantile `[C]` float64 as `QuantileHistogram.quantile(q)` reads it, with
+    the column's range in `low`, `width [C]` (float64), or with `coarse` each layer's coarse range of `bias [L, E]`.
+    `low` and `width` are then overwritten with the range `QuantileHistogram.refine(q)` gives, and `counts` zeroed.
+    `q`: a 0-d float64 tensor (a Python float would arrive as fp32)."""
     C, num_bins = counts.shape
     quantile = torch.empty(C, dtype=torch.float64, device=counts.device)
-    edges = torch.empty(C, 2, dtype=torch.float64, device=counts.device)
-    q = torch.tensor(q, dtype=torch.float64, device=counts.device)  # a Python float would arrive as fp32
-    _histogram_quantile_kernel[(C,)](counts, low.contiguous(), width.contiguous(), q, quantile, edges,
-                                     NUM_BINS=num_bins, BLOCK=triton.next_power_of_2(num_bins), num_warps=4,
-                                     enable_fp_fusion=False)
-    return quantile, edges
+    bias = bias.contiguous()
+    _histogram_quantile_kernel[(C,)](counts, bias, low, width, q, quantile, bias.shape[-1], NUM_BINS=num_bins,
+                                     COARSE=coarse, BLOCK=triton.next_power_of_2(num_bins),
+                                     BE=triton.next_power_of_2(bias.shape[-1]), num_warps=4, enable_fp_fusion=False)
+    return quantile
