@@ -103,13 +103,14 @@ def test_histogram_quantile_of_empty_and_piled_up_columns():
 
 
 @kernel_test
-@pytest.mark.parametrize("mask", [None, "layer", "token"])
+@pytest.mark.parametrize("mask", [None, "layer", "token", "one row"])
 def test_balanced_bias_with_the_kernels_equals_the_torch_path(monkeypatch, mask):
     L, N, E, k = 3, 96, 16, 2
     scores = routed_scores(L, N, E, seed=5)
     g = torch.Generator().manual_seed(2)
     bias = 0.1 * torch.randn(L, E, generator=g, dtype=torch.float64)
-    token_mask = {None: None, "layer": torch.rand(L, N, generator=g) > 0.2, "token": torch.rand(N, generator=g) > 0.2}[mask]
+    token_mask = {None: None, "layer": torch.rand(L, N, generator=g) > 0.2, "token": torch.rand(N, generator=g) > 0.2,
+                  "one row": torch.rand(1, N, generator=g) > 0.2}[mask]  # [1, N]: every layer's
     scores, bias = scores.to(DEV), bias.to(DEV)
     token_mask = None if token_mask is None else token_mask.to(DEV)
 

@@ -553,8 +553,9 @@ def _balanced_bias_fused(scores, new, top_k, iterations, num_bins, q, token_mask
     reading kernel), then the centring; `new [..., E]` float64."""
     shape = new.shape
     scores = scores.reshape(-1, *scores.shape[-2:]).contiguous()  # [L, N, E]
-    if token_mask is not None and token_mask.dim() > 1:
+    if token_mask is not None:  # [L, N], or [N] for every layer
         token_mask = token_mask.reshape(-1, token_mask.shape[-1])
+        token_mask = token_mask[0] if token_mask.shape[0] == 1 else token_mask
     columns = new.numel()
     counts = torch.zeros(columns, num_bins, dtype=torch.int64, device=scores.device)
     low, width = torch.empty(2, columns, dtype=torch.float64, device=scores.device)
