@@ -5,11 +5,12 @@ The model is a `kdamoe-ablate` base config (`--config`: its preset and `model` f
 size `--vocab-size`) trained as `kdamoe-train` does on the GPU: fp32 weights under bf16 autocast, fused AdamW,
 `--rows` rows of `--seq-len` random tokens packed as documents of 1,024 tokens, `apply_load_balancing(to_host=False)`
 after each optimizer step. Every mode's model starts from the same weights (the router bias differs only by its
-own updates). Table: the median step and its parts over `--steps` timed steps after `--warmup` (CUDA events), the
-update's share of the step; then a torch.profiler table of one Quantile Balancing update (the kernels it launches
-and their device time). With `--alt NAME=PATH` the Quantile Balancing step of another copy of the model folder
-runs too, for an A/B of two versions; first both folders' `balanced_bias` run on the same scores (the window shape
-of the model) and must give the same bias to 1e-9, and each is timed alone.
+own updates). Table: the median step and its parts over `--steps` timed steps after `--warmup` (CUDA events; the
+cases' steps interleaved, one of each in turn, so that a drift of the machine reaches all alike), the update's
+share of the step; then a torch.profiler table of one Quantile Balancing update (the kernels it launches and their
+device time). With `--alt NAME=PATH` the Quantile Balancing step of another copy of the model folder runs too, for
+an A/B of two versions; first both folders' `balanced_bias` run on the same scores (the window shape of the model)
+and must give the same bias to 1e-9, and each is timed alone.
 
     python benchmarks/bench_balancing.py --config configs/ablate_h200.json --out balancing_h200.json
     python benchmarks/bench_balancing.py --tiny        # CPU: checks that everything runs
@@ -62,7 +63,7 @@ def batch(rows: int, seq_len: int, vocab: int, device) -> dict:
 
 class Run:
     """One model and its optimizer; `step()` returns (forward + backward + optimizer ms, update ms) on CUDA events
-    (host wall time on the CPU)."""
+    (host time on the CPU)."""
 
     def __init__(self, lib, kwargs, mode, state, device, data):
         torch.manual_seed(0)
@@ -72,49 +73,44 @@ class Run:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3, fused=device.type == "cuda")
         self.device, self.data = device, data
 
-    def _mark(self):
-        if self.device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def _ms(self, a, b):
-        if self.device.type == "cuda":
-            return a.elapsed_time(b)
-        return 1e3 * (b - a)
-
     def step(self):
-        t0 = self._mark()
+        t0 = mark(self.device)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
             loss = self.model(**self.data).loss
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        t1 = self._mark()
+        t1 = mark(self.device)
         self.model.apply_load_balancing(to_host=False)
-        t2 = self._mark()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        return self._ms(t0, t1), self._ms(t1, t2)
+        t2 = mark(self.device)
+        return elapsed_ms(t0, t1), elapsed_ms(t1, t2)
+
+
+def mark(device):
+    """A point in time: a recorded CUDA event, or the host clock on the CPU."""
+    if device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def elapsed_ms(a, b) -> float:
+    """ms between two `mark`s (synchronises on CUDA)."""
+    if isinstance(a, float):
+        return 1e3 * (b - a)
+    b.synchronize()
+    return a.elapsed_time(b)
 
 
 def _time(fn, device, reps: int) -> float:
-    """Median ms of `fn()` over `reps` calls after one warm-up (CUDA events; host time on the CPU)."""
+    """Median ms of `fn()` over `reps` calls after one warm-up."""
     fn()
     times = []
     for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - t0))
+        t0 = mark(device)
+        fn()
+        times.append(elapsed_ms(t0, mark(device)))
     return statistics.median(times)
 
 
@@ -159,39 +155,43 @@ def main():
     print(f"{device}: {args.rows} x {args.seq_len} tokens, {kwargs['num_experts']} experts top-"
           f"{kwargs['num_experts_per_tok']}, hidden {kwargs['hidden_size']}, {kwargs['num_hidden_layers']} layers")
     print(f"{'model':>8} {'mode':>10} {'step ms':>9} {'fwd+bwd+opt':>12} {'update ms':>10} {'update share':>13}")
-    for lib_name, mode in cases:
-        run = Run(libs[lib_name], kwargs, mode, state, device, data)
+    runs = [Run(libs[lib_name], kwargs, mode, state, device, data) for lib_name, mode in cases]
+    for run in runs:
         for _ in range(args.warmup):
             run.step()
-        times = [run.step() for _ in range(args.steps)]
-        main_ms = statistics.median(t[0] for t in times)
-        update_ms = statistics.median(t[1] for t in times)
-        step_ms = statistics.median(t[0] + t[1] for t in times)
+    times = [[] for _ in runs]
+    for _ in range(args.steps):  # round robin: a drift of the machine over the run reaches every case alike
+        for run, out in zip(runs, times):
+            out.append(run.step())
+    for (lib_name, mode), run, steps in zip(cases, runs, times):
+        main_ms = statistics.median(t[0] for t in steps)
+        update_ms = statistics.median(t[1] for t in steps)
+        step_ms = statistics.median(t[0] + t[1] for t in steps)
         rows.append({"model": lib_name, "mode": mode, "step_ms": step_ms, "forward_backward_optimizer_ms": main_ms,
                      "update_ms": update_ms, "update_share": update_ms / step_ms})
         print(f"{lib_name:>8} {mode:>10} {step_ms:9.2f} {main_ms:12.2f} {update_ms:10.2f} "
               f"{100 * update_ms / step_ms:12.1f}%")
-        if mode == "quantile":
-            run.step()  # pending statistics for the profiled update
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                run.model(**data).loss.backward()
-            run.optimizer.step()
-            run.optimizer.zero_grad(set_to_none=True)
-            activities = [torch.profiler.ProfilerActivity.CPU]
+    for (lib_name, mode), run, row in zip(cases, runs, rows):
+        if mode != "quantile":
+            continue
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            run.model(**data).loss.backward()  # pending statistics for the profiled update
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=activities) as prof:
+            run.model.apply_load_balancing(to_host=False)
             if device.type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            with torch.profiler.profile(activities=activities) as prof:
-                run.model.apply_load_balancing(to_host=False)
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-            key = "device_time_total" if device.type == "cuda" else "cpu_time_total"
-            averages = prof.key_averages()
-            print(f"-- one Quantile Balancing update of {lib_name}: "
-                  f"{sum(e.count for e in averages if e.key.startswith('aten::'))} aten calls")
-            print(averages.table(sort_by=key, row_limit=args.top))
-            rows[-1]["profile"] = [{"name": e.key, "calls": e.count, "ms": getattr(e, key) / 1e3}
-                                   for e in sorted(averages, key=lambda e: -getattr(e, key))[: args.top]]
-        del run
+                torch.cuda.synchronize()
+        key = "device_time_total" if device.type == "cuda" else "cpu_time_total"
+        averages = prof.key_averages()
+        print(f"-- one Quantile Balancing update of {lib_name}: "
+              f"{sum(e.count for e in averages if e.key.startswith('aten::'))} aten calls")
+        print(averages.table(sort_by=key, row_limit=args.top))
+        row["profile"] = [{"name": e.key, "calls": e.count, "ms": getattr(e, key) / 1e3}
+                          for e in sorted(averages, key=lambda e: -getattr(e, key))[: args.top]]
     if args.out:
         meta = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "torch": torch.__version__,
                 "rows": args.rows, "seq_len": args.seq_len, "config": args.config, "model": kwargs}
