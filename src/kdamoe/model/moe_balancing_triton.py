@@ -16,7 +16,8 @@ between them:
   the quantile and the refined range (its low edge and bin width), and zeroes the column's counts for the next
   histogram.
 
-Counts are integers and their float64 sums exact, so both equal the torch path bit for bit (tests/test_balancing_triton.py).
+Counts are integers and their float64 sums exact, so both equal the torch path bit for bit
+(tests/test_balancing_triton.py).
 """
 
 import torch
@@ -30,7 +31,7 @@ except ImportError as error:
 
 @triton.jit
 def _coarse_range(bias_ptr, layer, E, NUM_BINS: tl.constexpr, BE: tl.constexpr):
-    """`QuantileHistogram`'s coarse range of a layer: low = min(bias) - 1 and the bin width of `[low, max(bias) + 1]`."""
+    """`QuantileHistogram`'s coarse range of a layer: low = min(bias) - 1, and the bin width up to max(bias) + 1."""
     cols = tl.arange(0, BE)
     bias = tl.load(bias_ptr + layer * E + cols, mask=cols < E, other=0.0)
     low = tl.min(tl.where(cols < E, bias, float("inf")), axis=0) - 1.0
