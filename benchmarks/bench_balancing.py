@@ -22,7 +22,7 @@ import statistics
 import time
 
 import torch
-from model_folder import import_model_folder
+from model_folder import import_model_folder, load_model_classes
 
 import kdamoe
 from kdamoe.presets import get_preset
@@ -124,9 +124,7 @@ def main():
     libs = {"ours": kdamoe}
     for alt in args.alt:
         name, _, path = alt.partition("=")
-        libs[name] = type("Alt", (), {
-            "KDAMoEConfig": import_model_folder(name, path, "configuration_kdamoe").KDAMoEConfig,
-            "KDAMoEForCausalLM": import_model_folder(name, path, "modeling_kdamoe").KDAMoEForCausalLM})
+        libs[name] = load_model_classes(name, path)
     cases = [("ours", mode) for mode in args.modes.split(",")] + [(name, "quantile") for name in libs if name != "ours"]
 
     rows, update_check = [], []

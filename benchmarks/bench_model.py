@@ -66,13 +66,12 @@ import re
 import statistics
 import subprocess
 import time
-import types
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from model_folder import import_model_folder
+from model_folder import load_model_classes
 
 import kdamoe
 
@@ -130,13 +129,6 @@ def ours_config(row: Row, s: dict, ours=kdamoe) -> kdamoe.KDAMoEConfig:
     n = s["layers"]
     return ours.KDAMoEConfig(num_hidden_layers=n, layer_types=["linear_attention"] * n,
                                mlp_layer_types=["dense"] * n, **common)
-
-
-def load_alt(name: str, path: str) -> types.SimpleNamespace:
-    """`KDAMoEConfig` and `KDAMoEForCausalLM` of the model folder at `path`, imported as a package of its own."""
-    return types.SimpleNamespace(
-        KDAMoEConfig=import_model_folder(name, path, "configuration_kdamoe").KDAMoEConfig,
-        KDAMoEForCausalLM=import_model_folder(name, path, "modeling_kdamoe").KDAMoEForCausalLM)
 
 
 OURS = {"ours": kdamoe}  # library name -> namespace with KDAMoEConfig and KDAMoEForCausalLM (`--alt` adds)
@@ -521,7 +513,7 @@ def parse_args():
         name, sep, path = alt.partition("=")
         if not sep or not name.isidentifier() or name in ("ours", "fla") or not Path(path, "modeling_kdamoe.py").is_file():
             p.error(f"--alt {alt!r}: expected NAME=PATH, PATH a model folder holding modeling_kdamoe.py")
-        OURS[name] = load_alt(name, path)
+        OURS[name] = load_model_classes(name, path)
         args.libs.append(name)
     args.profile = [r.strip() for r in args.profile.split(",") if r.strip()]
     args.memory = [r.strip() for r in args.memory.split(",") if r.strip()]

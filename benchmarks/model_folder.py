@@ -8,6 +8,7 @@ import importlib.util
 import os
 import re
 import sys
+import types
 
 
 def import_model_folder(label: str, path: str, module: str):
@@ -19,3 +20,10 @@ def import_model_folder(label: str, path: str, module: str):
         spec.submodule_search_locations = [os.path.abspath(path)]
         sys.modules[package] = importlib.util.module_from_spec(spec)
     return importlib.import_module(f"{package}.{module}")
+
+
+def load_model_classes(label: str, path: str) -> types.SimpleNamespace:
+    """`KDAMoEConfig` and `KDAMoEForCausalLM` of the model folder at `path`, imported as a package of its own."""
+    return types.SimpleNamespace(
+        KDAMoEConfig=import_model_folder(label, path, "configuration_kdamoe").KDAMoEConfig,
+        KDAMoEForCausalLM=import_model_folder(label, path, "modeling_kdamoe").KDAMoEForCausalLM)
