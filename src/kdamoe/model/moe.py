@@ -646,7 +646,9 @@ class QuantileHistogram:
                              f"{tuple(high.shape)}")
         self.num_bins = num_bins
         self.low, self.high = low.expand(num_columns), high.expand(num_columns)
-        self.width = (self.high - self.low) / num_bins
+        # times the reciprocal, as torch's CUDA division by a scalar computes it: the same bits on every device and
+        # in the Triton kernels (moe_balancing_triton)
+        self.width = (self.high - self.low) * (1.0 / num_bins)
         self.counts = torch.zeros(num_columns, num_bins, dtype=torch.int64, device=low.device)
 
     def add(self, r: torch.Tensor, token_mask: torch.Tensor | None = None) -> None:

@@ -30,13 +30,20 @@ except ImportError as error:
 
 
 @triton.jit
+def _reciprocal(NUM_BINS: tl.constexpr):
+    """`1.0 / NUM_BINS` in float64 (a Python float constant would be fp32): bin widths are a difference times it, as
+    `QuantileHistogram` computes them."""
+    return tl.full([], 1.0, tl.float64) / NUM_BINS
+
+
+@triton.jit
 def _coarse_range(bias_ptr, layer, E, NUM_BINS: tl.constexpr, BE: tl.constexpr):
     """`QuantileHistogram`'s coarse range of a layer: low = min(bias) - 1, and the bin width up to max(bias) + 1."""
     cols = tl.arange(0, BE)
     bias = tl.load(bias_ptr + layer * E + cols, mask=cols < E, other=0.0)
     low = tl.min(tl.where(cols < E, bias, float("inf")), axis=0) - 1.0
     high = tl.max(tl.where(cols < E, bias, float("-inf")), axis=0) + 1.0
-    return low, (high - low) / NUM_BINS
+    return low, (high - low) * _reciprocal(NUM_BINS)
 
 
 @triton.jit
@@ -109,7 +116,7 @@ def _histogram_quantile_kernel(counts_ptr, bias_ptr, low_ptr, width_ptr, q_ptr, 
     tl.store(quantile_ptr + column, low + (b.to(tl.float64) + frac) * width)
     edge = low + b.to(tl.float64) * width
     tl.store(low_ptr + column, edge)  # the refined range, for the next histogram
-    tl.store(width_ptr + column, (low + (b + 1).to(tl.float64) * width - edge) / NUM_BINS)
+    tl.store(width_ptr + column, (low + (b + 1).to(tl.float64) * width - edge) * _reciprocal(NUM_BINS))
 
 
 def threshold_histogram(scores: torch.Tensor, bias: torch.Tensor, top_k: int, counts: torch.Tensor,
