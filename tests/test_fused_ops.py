@@ -147,8 +147,16 @@ def test_conv_chunk_kda_matches_float64_composition(small_tiles, gate, B, T, len
     cots = torch.randn_like(o), torch.randn_like(ht)
     grads = torch.autograd.grad((o, ht), [wide, weight, g, beta, A_log, dt_bias], cots)
     ref_grads = torch.autograd.grad((ro, rht), refs, [c.double() for c in cots])
+    # A_log's and dt_bias's gradients are sums over every token of a head (channel), with cancellation: on the GPU
+    # (tf32 dots) their error is measured against the sum of the terms' magnitudes. Both enter the gate through
+    # exp(A_log) * x, x = g + dt_bias, so the terms are dL/dx (the float64 gradient of g) and dL/dx * x.
+    dx = ref_grads[2]
+    x = (g64 + dt64.reshape(H, K)).detach()
+    scales = {"A_log": (dx * x).abs().sum((0, 1, 3)), "dt_bias": dx.abs().sum((0, 1)).reshape(-1)}
     for name, a, b in zip(["qkv", "weight", "g", "beta", "A_log", "dt_bias"], grads, ref_grads):
-        assert a.shape == b.shape and rel(a, b) < KDA_GRAD_TOL, name
+        scale = scales[name] if ON_GPU and name in scales else b
+        err = ((a.double().cpu() - b.cpu()).norm() / scale.cpu().norm()).item()
+        assert a.shape == b.shape and err < KDA_GRAD_TOL, (name, err)
     assert grads[0][..., 0].abs().max() == 0 and grads[0][..., C + 1:].abs().max() == 0  # outside the slice
 
 
