@@ -119,7 +119,7 @@ def test_readers_sum_a_sources_gradient_in_its_sink(small_tiles, monkeypatch, ba
     real_bwd = attnres.depth_attention_bwd
 
     def recording_bwd(*args):
-        calls.append([acc is not None for acc in args[9]])
+        calls.append([acc is not None for acc in args[10]])
         return real_bwd(*args)
 
     monkeypatch.setattr(attnres, "depth_attention_bwd", recording_bwd)
@@ -175,7 +175,8 @@ def test_kernels_match_the_torch_path_and_float64(small_tiles, monkeypatch, hold
     module, sources = make(S, B, T, D, seed=S)
     mod, ours = on_dev(module, sources)
     u = mod.query.detach() * mod.key_norm_weight.detach()
-    stats = attnres_triton.depth_attention_fwd([v.detach() for v in ours], u, mod.eps)
+    stats = attnres_triton.depth_attention_fwd([v.detach() for v in ours], mod.query.detach(),
+                                                mod.key_norm_weight.detach(), mod.eps)
     for got, want, name in zip(stats, attnres._forward_torch([v.detach() for v in ours], u, mod.eps),
                                ("out", "logits", "rstd", "weights")):
         assert got.shape == want.shape and rel(got, want) < 1e-6, name
@@ -311,27 +312,32 @@ def test_kernel_dispatch():
 SM90_LAUNCHES = r"""
 from kdamoe.model import attnres_triton
 
+class Skip:  # the other kernels of a pass are not launched
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
 attnres_triton.persistent_programs = lambda device, *args, **kwargs: 132 * 12
 kernel = attnres_triton.{kernel}
-attnres_triton.{kernel} = Record()
+for name in ("_fwd_kernel", "_bwd_kernel", "_param_grad_kernel"):
+    setattr(attnres_triton, name, Record() if name == "{kernel}" else Skip())
 D, R = 1024, 64
 for dtypes, norm, sink in (((torch.bfloat16,) * 5, True, True), ((torch.float32, torch.bfloat16), False, False)):
     sources = [torch.zeros(R, D, dtype=dtype) for dtype in dtypes]
     stats = torch.zeros(len(sources), R)
     rms = (torch.zeros(D), 1e-6) if norm else None
     if kernel.fn.__name__ == "_fwd_kernel":
-        attnres_triton.depth_attention_fwd(sources, torch.zeros(D), 1e-6, norm=rms)
+        attnres_triton.depth_attention_fwd(sources, torch.zeros(D), torch.zeros(D), 1e-6, norm=rms)
     else:
         sinks = [torch.zeros_like(v) if sink and s < len(sources) - 1 else None for s, v in enumerate(sources)]
-        attnres_triton.depth_attention_bwd(torch.zeros(R, D, dtype=torch.bfloat16), sources, torch.zeros(D), stats,
-                                           stats, stats, [True] * len(sources), norm=rms,
+        attnres_triton.depth_attention_bwd(torch.zeros(R, D, dtype=torch.bfloat16), sources, torch.zeros(D),
+                                           torch.zeros(D), stats, stats, stats, [True] * len(sources), norm=rms,
                                            rstd_h=torch.zeros(R) if norm else None, accumulate=sinks)
 """
 
 
-@pytest.mark.parametrize("kernel", ["_fwd_kernel", "_bwd_kernel"])
+@pytest.mark.parametrize("kernel", ["_fwd_kernel", "_bwd_kernel", "_param_grad_kernel"])
 def test_kernels_compile_for_sm90(kernel):
-    """Both kernels compile to cubins for an H100/H200 (sm_90) as the GPU launches them, which the interpreter does
+    """The kernels compile to cubins for an H100/H200 (sm_90) as the GPU launches them, which the interpreter does
     not check: the twin's deepest Block AttnRes read (5 bf16 sources, the fused norm, gradient sinks on the 4
     completed sources) and mixed-dtype sources (fp32 embedding, bf16 sublayer output, as under autocast). No GPU
     needed, in a process without the interpreter."""
@@ -396,8 +402,11 @@ def test_model_with_depth_attention_and_norm_in_one_op_equals_the_two_ops(small_
     for handle in handles:
         handle.remove()
     assert rel(fused, apart) < 1e-6 and fused_grads.keys() == apart_grads.keys()
+    # the two backward paths round apart in fp32; on the GPU the KDA kernels' tf32 dots (10-bit mantissa) turn that
+    # into differences of ~4e-4 in the gradients that pass through them
+    tol = 2e-3 if ON_GPU else 1e-4
     for name, grad in fused_grads.items():
-        assert rel(grad, apart_grads[name]) < 1e-4, name
+        assert rel(grad, apart_grads[name]) < tol, name
     assert len(hidden) == len(hidden_apart) and all(rel(a, b) < 1e-6 for a, b in zip(hidden, hidden_apart))
 
 

@@ -101,12 +101,11 @@ def _depth_attention_forward(query, key_norm_weight, eps, kernels, sources, norm
     """``(out, logits, rstd, weights, rstd_h, sources)``: the forward of the kernels (``kernels``, as `_use_kernels`
     decided) or of the torch path, and what the backward needs. ``norm = (weight, eps)`` (the kernels only): out is
     ``RMSNorm_weight(h)`` of the mix h, rstd_h its statistic; else rstd_h is None."""
-    u = _wide(query) * _wide(key_norm_weight)  # [D]: w · (γ ⊙ x) = (w ⊙ γ) · x
     if kernels:
         sources = tuple(v.contiguous() for v in sources)  # a copy only for a non-contiguous source
-        out, logits, rstd, weights, rstd_h = depth_attention_fwd(sources, u, eps, norm)
-    else:
-        out, logits, rstd, weights = _forward_torch(sources, u, eps)
+        out, logits, rstd, weights, rstd_h = depth_attention_fwd(sources, query, key_norm_weight, eps, norm)
+    else:  # w · (γ ⊙ x) = (w ⊙ γ) · x
+        out, logits, rstd, weights = _forward_torch(sources, _wide(query) * _wide(key_norm_weight), eps)
         rstd_h = None
     return out, logits, rstd, weights, rstd_h, sources
 
@@ -173,23 +172,23 @@ class _DepthAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         query, gamma, norm_weight, rstd_h, logits, rstd, weights, *sources = ctx.saved_tensors
-        u = _wide(query) * _wide(gamma)
         sinks = ctx.sinks
         needs = [need or sink is not None for need, sink in zip(ctx.needs_input_grad[7:], sinks)]
         accumulate = [None if sink is None else sink.grad for sink in sinks]
-        if ctx.kernels:
+        if ctx.kernels:  # the parameters' gradients in their dtypes, from the kernels
             norm = None if norm_weight is None else (norm_weight, ctx.norm_eps)
-            du, dsources, dnorm = depth_attention_bwd(dout, sources, u, logits, rstd, weights, needs, norm, rstd_h,
-                                                      accumulate)
+            dquery, dgamma, dsources, dnorm = depth_attention_bwd(dout, sources, query, gamma, logits, rstd, weights,
+                                                                  needs, norm, rstd_h, accumulate)
         else:
-            (du, dsources), dnorm = _backward_torch(dout, sources, u, logits, rstd, weights, needs, accumulate), None
+            du, dsources = _backward_torch(dout, sources, _wide(query) * _wide(gamma), logits, rstd, weights, needs,
+                                           accumulate)
+            dquery, dgamma, dnorm = (du * _wide(gamma)).to(query.dtype), (du * _wide(query)).to(gamma.dtype), None
         for s, sink in enumerate(sinks):  # the sink's sum so far, with this reader's part added
             if sink is not None:
                 sink.grad, dsources[s] = dsources[s], None
-        dquery = (du * _wide(gamma)).to(query.dtype) if ctx.needs_input_grad[0] else None
-        dgamma = (du * _wide(query)).to(gamma.dtype) if ctx.needs_input_grad[1] else None
-        dnorm = dnorm.to(norm_weight.dtype) if dnorm is not None and ctx.needs_input_grad[2] else None
-        return dquery, dgamma, dnorm, None, None, None, None, *dsources
+        needs_params = ctx.needs_input_grad[:3]
+        return (dquery if needs_params[0] else None, dgamma if needs_params[1] else None,
+                dnorm if needs_params[2] else None, None, None, None, None, *dsources)
 
 
 class DepthAttention(nn.Module):

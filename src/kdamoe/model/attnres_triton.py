@@ -9,8 +9,9 @@ Both compute what ``_DepthAttentionFunction``'s torch code computes, per token r
 - backward: ``g_s = dout · v_s``, ``dlogit = w ⊙ (g − Σ_s w g)``, ``a_s = dlogit_s rstd_s``, ``c_s = dlogit_s
   rstd_s² logit_s / D``; ``dv_s = w_s dout + a_s u − c_s v_s`` for the sources that need it (stored, or added in
   place to a source's gradient sink: ``attnres.py``), and ``du = Σ_rows Σ_s a_s v_s``, which each program of a
-  persistent grid sums over its tiles in fp32 registers and stores as one row of a ``[P, D]`` buffer, reduced in
-  torch after (deterministic, no atomics).
+  persistent grid sums over its tiles in fp32 registers and stores as one row of a ``[P, D]`` buffer; a small
+  kernel sums the rows (deterministic, no atomics) and writes the parameters' gradients ``du ⊙ γ``, ``du ⊙ query``
+  in their dtypes. ``u`` is formed in the kernels, so a call runs no torch op on the parameters.
 - with NORM, the sublayer's RMSNorm in the same kernels: the forward stores ``RMSNorm_w(h)`` of the mix h (h stays
   in registers) and h's ``[rows]`` rstd; the backward recomputes ``h = Σ_s w_s v_s`` from the sources it holds,
   turns the incoming gradient into h's (``rstd (w ⊙ dy − ĥ mean(ĥ ⊙ w ⊙ dy))``, ``ĥ = h·rstd``) and sums the norm
@@ -26,15 +27,12 @@ and the backward's dv pass uses the held values; without it each source is loade
 backward's second pass reloads it (from L2, mostly: the tile was just read). Offsets are int64 (rows x D passes
 2^31 at 1M tokens x 4096 channels).
 
-Launches (``LAUNCH``, ``HOLD_REGISTERS``) follow from register counts, not timings: 1024-value tiles at 4 values per
-thread (8 warps at D = 1024: one row per program, so the statistics are stored from one thread, without a shared-
-memory round trip); 12 backward programs per SM, so that a register-limited residency of 1, 2, 3, 4 or 6 programs
-per SM runs them in whole waves. Compiled for sm_90 (triton 3.6, bf16, no spills unless said), registers forward /
-backward: D = 1024: 32 / 48 at S = 2, 57 / 80 at S = 6, 73 / 127 at S = 9, 116 / 234 at S = 16; D = 2048, S = 6: 58
-/ 83; D = 4096, S = 6: 83 / 125; D = 8192, S = 6 or D >= 2048, S = 16: the 128 cap of 16 warps, with 48-984 bytes of
-spills. With NORM (triton 3.9), D = 1024: 40 / 64 at S = 2, 57 / 104 at S = 5, 75 / 128 at S = 9, no spills; the
-backward with every source but the newest added to a gradient sink (ACC): 64 at S = 2, 105-128 at S = 5 to 8
-(two programs of 8 warps an SM, as without), 144 at S = 9 (one).
+Launches (``LAUNCH``, ``HOLD_REGISTERS``) are the fastest of ``benchmarks/bench_attnres.py``'s sweep at the twin's
+shape (D = 1024, bf16, 3 and 5 sources, with the norm and the sinks): 1024-value tiles at 8 values per thread (4
+warps at D = 1024: one row per program), 12 backward programs per SM. Compiled for sm_90 (triton 3.9, bf16, NORM, a
+gradient sink on every source but the newest), registers forward / backward at D = 1024: 56 / 114 at S = 2, 95 / 168
+at S = 5, 80 / 255 at S = 9, 96 / 255 and 48 bytes of spills at S = 16; D = 2048, S = 6: 107 / 181; from D = 4096
+(16 warps, 8 or more values a thread) the backward spills (232 bytes at S = 6).
 """
 
 import torch
@@ -48,8 +46,8 @@ MAX_SOURCES = 16  # pointer arguments per kernel; more sources run the torch cod
 MAX_D = 8192  # longest row a program holds in registers
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LAUNCH = {
-    "fwd": dict(tile=1024, values_per_thread=4),
-    "bwd": dict(tile=1024, values_per_thread=4, programs_per_sm=12),
+    "fwd": dict(tile=1024, values_per_thread=8),
+    "bwd": dict(tile=1024, values_per_thread=8, programs_per_sm=12),
 }
 HOLD_REGISTERS = 64  # 32-bit registers per thread that may hold a tile's sources (see `_launch`)
 
@@ -110,8 +108,14 @@ if triton is not None:
         return a0 + b0, a1 + b1
 
     @triton.jit
+    def _query_key(Q, G, cols, m_d):
+        """``u = query ⊙ γ`` as a [1, BLOCK_D] fp32 row (the product rounded once in fp32, as the torch path)."""
+        q = tl.load(Q + cols, mask=m_d, other=0.0).to(tl.float32)
+        return (q * tl.load(G + cols, mask=m_d, other=0.0).to(tl.float32))[None, :]
+
+    @triton.jit
     def _fwd_kernel(V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11, V12, V13, V14, V15,
-                    U, OUT, LOGITS, RSTD, WEIGHTS, NW, RSTD_H, R, D, eps, norm_eps,
+                    Q, G, OUT, LOGITS, RSTD, WEIGHTS, NW, RSTD_H, R, D, eps, norm_eps,
                     S: tl.constexpr, NORM: tl.constexpr, HOLD: tl.constexpr, BLOCK_R: tl.constexpr,
                     BLOCK_D: tl.constexpr):
         """One tile of rows: out, and the [S, R] logits, rstd and weights (source s at s·R + row); with NORM out is
@@ -123,7 +127,7 @@ if triton is not None:
         mask = m_r[:, None] & m_d[None, :]
         offs = rows[:, None] * D + cols[None, :]
         held = _hold(V, offs, mask, S, HOLD)
-        u = tl.load(U + cols, mask=m_d, other=0.0)[None, :]
+        u = _query_key(Q, G, cols, m_d)
         logits, rstds = (), ()
         for s in tl.static_range(S):
             v = _load(V, s, held, offs, mask, HOLD)
@@ -155,7 +159,7 @@ if triton is not None:
     @triton.jit
     def _bwd_kernel(V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11, V12, V13, V14, V15,
                     DV0, DV1, DV2, DV3, DV4, DV5, DV6, DV7, DV8, DV9, DV10, DV11, DV12, DV13, DV14, DV15,
-                    U, DOUT, LOGITS, RSTD, WEIGHTS, DU, NW, RSTD_H, DNW, R, D, n_tiles,
+                    Q, G, DOUT, LOGITS, RSTD, WEIGHTS, DU, NW, RSTD_H, DNW, R, D, n_tiles,
                     S: tl.constexpr, NEEDS: tl.constexpr, ACC: tl.constexpr, NORM: tl.constexpr,
                     HOLD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
         """Persistent: tiles pid, pid + P, ...; dv_s for the sources whose bit is set in NEEDS, added to what DV_s
@@ -169,7 +173,7 @@ if triton is not None:
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_D)
         m_d = cols < D
-        u = tl.load(U + cols, mask=m_d, other=0.0)[None, :]
+        u = _query_key(Q, G, cols, m_d)
         du = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
         dnw = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
         if NORM:
@@ -215,12 +219,37 @@ if triton is not None:
         if NORM:
             tl.store(DNW + pid * D + cols, tl.sum(dnw, axis=0), mask=m_d)
 
+    @triton.jit
+    def _param_grad_kernel(DU, DNW, Q, G, DQ, DG, DN, P, D, NORM: tl.constexpr, BLOCK_P: tl.constexpr,
+                           BLOCK_D: tl.constexpr):
+        """A block of columns of the parameters' gradients from the backward's per-program rows: ``du = Σ_p DU[p]``,
+        ``dquery = du ⊙ γ``, ``dγ = du ⊙ query``, and with NORM ``dnorm_weight = Σ_p DNW[p]``, each stored in its
+        parameter's dtype."""
+        cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
+        m_d = cols < D
+        du = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
+        dnw = tl.zeros([BLOCK_P, BLOCK_D], tl.float32)
+        for start in range(0, P, BLOCK_P):
+            rows = start + tl.arange(0, BLOCK_P)
+            offs = rows[:, None] * D + cols[None, :]
+            mask = (rows < P)[:, None] & m_d[None, :]
+            du += tl.load(DU + offs, mask=mask, other=0.0)
+            if NORM:
+                dnw += tl.load(DNW + offs, mask=mask, other=0.0)
+        du_col = tl.sum(du, axis=0)
+        q = tl.load(Q + cols, mask=m_d, other=0.0)
+        g = tl.load(G + cols, mask=m_d, other=0.0)
+        tl.store(DQ + cols, (du_col * g.to(tl.float32)).to(DQ.dtype.element_ty), mask=m_d)
+        tl.store(DG + cols, (du_col * q.to(tl.float32)).to(DG.dtype.element_ty), mask=m_d)
+        if NORM:
+            tl.store(DN + cols, tl.sum(dnw, axis=0).to(DN.dtype.element_ty), mask=m_d)
 
-def depth_attention_fwd(sources, u, eps, norm=None):
+
+def depth_attention_fwd(sources, query, gamma, eps, norm=None):
     """``(out [..., D] in the first source's dtype, logits, rstd, weights [S, ...] fp32, rstd_h [...] fp32 or
-    None)`` of contiguous sources of one shape ``[..., D]`` and device (``unsupported`` is None), ``u = query ⊙ γ``
-    ``[D]``. ``norm = (weight [D], eps)``: out is ``RMSNorm_weight(h)`` of the mix h (never written), and rstd_h its
-    ``rsqrt(mean(h²) + eps)``."""
+    None)`` of contiguous sources of one shape ``[..., D]`` and device (``unsupported`` is None), the pseudo-query
+    and key-norm gain ``[D]`` (``u = query ⊙ γ`` formed in the kernel). ``norm = (weight [D], eps)``: out is
+    ``RMSNorm_weight(h)`` of the mix h (never written), and rstd_h its ``rsqrt(mean(h²) + eps)``."""
     s0, S = sources[0], len(sources)
     R, D = s0.numel() // s0.shape[-1], s0.shape[-1]
     out = torch.empty_like(s0)
@@ -230,22 +259,23 @@ def depth_attention_fwd(sources, u, eps, norm=None):
     block_r, block_d, num_warps, hold = _launch(sources, LAUNCH["fwd"])
     if R:
         _fwd_kernel[(triton.cdiv(R, block_r),)](
-            *_padded(sources), u.float().contiguous(), out, logits, rstd, weights,
-            norm[0].contiguous() if norm is not None else u, rstd_h if norm is not None else logits, R, D, eps,
+            *_padded(sources), query.contiguous(), gamma.contiguous(), out, logits, rstd, weights,
+            norm[0].contiguous() if norm is not None else query, rstd_h if norm is not None else logits, R, D, eps,
             norm[1] if norm is not None else 0.0, S=S, NORM=norm is not None, HOLD=hold, BLOCK_R=block_r,
             BLOCK_D=block_d, num_warps=num_warps)
     return out, logits, rstd, weights, rstd_h
 
 
-def depth_attention_bwd(dout, sources, u, logits, rstd, weights, needs_grad, norm=None, rstd_h=None,
+def depth_attention_bwd(dout, sources, query, gamma, logits, rstd, weights, needs_grad, norm=None, rstd_h=None,
                         accumulate=None):
-    """``(du [D] fp32, [dv_s or None], dnorm_weight [D] fp32 or None)`` from the sources and statistics of
-    ``depth_attention_fwd``; ``dv_s`` (in the sources' dtype) only where ``needs_grad[s]``. With ``norm`` (and its
-    ``rstd_h``), ``dout`` is the gradient of the normalised output. ``accumulate[s]``: None, or a tensor like
+    """``(dquery, dgamma, [dv_s or None], dnorm_weight or None)`` from the sources and statistics of
+    ``depth_attention_fwd``, each parameter's gradient in its dtype; ``dv_s`` (in the sources' dtype) only where
+    ``needs_grad[s]``. With ``norm`` (and its ``rstd_h``), ``dout`` is the gradient of the normalised output. ``accumulate[s]``: None, or a tensor like
     source s (not one of the sources) that dv_s is added to in place (to a contiguous copy of it when it is
     not contiguous) and returned as dv_s."""
     s0, S = sources[0], len(sources)
     R, D = s0.numel() // s0.shape[-1], s0.shape[-1]
+    query, gamma = query.contiguous(), gamma.contiguous()
     accumulate = accumulate or (None,) * S
     dsources = [None if not need else torch.empty_like(v) if acc is None else acc.contiguous()
                 for v, need, acc in zip(sources, needs_grad, accumulate)]
@@ -257,10 +287,16 @@ def depth_attention_bwd(dout, sources, u, logits, rstd, weights, needs_grad, nor
     du = torch.empty(programs, D, dtype=torch.float32, device=s0.device)
     dnw = torch.empty(programs, D, dtype=torch.float32, device=s0.device) if norm is not None else None
     _bwd_kernel[(programs,)](
-        *_padded(sources), *_padded(targets), u.float().contiguous(), dout.contiguous(), logits, rstd, weights, du,
+        *_padded(sources), *_padded(targets), query, gamma, dout.contiguous(), logits, rstd, weights, du,
         norm[0].contiguous() if norm is not None else du, rstd_h if norm is not None else logits,
         dnw if norm is not None else du, R, D, n_tiles,
         S=S, NEEDS=sum(1 << s for s, need in enumerate(needs_grad) if need),
         ACC=sum(1 << s for s, (need, acc) in enumerate(zip(needs_grad, accumulate)) if need and acc is not None),
         NORM=norm is not None, HOLD=hold, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
-    return du.sum(0), dsources, dnw.sum(0) if dnw is not None else None
+    dquery, dgamma = torch.empty_like(query), torch.empty_like(gamma)
+    dnorm = torch.empty_like(norm[0]) if norm is not None else None
+    block_d = 32
+    _param_grad_kernel[(triton.cdiv(D, block_d),)](
+        du, dnw if norm is not None else du, query, gamma, dquery, dgamma, dnorm if norm is not None else dquery,
+        programs, D, NORM=norm is not None, BLOCK_P=64, BLOCK_D=block_d, num_warps=4)
+    return dquery, dgamma, dsources, dnorm
