@@ -23,10 +23,9 @@ another copy of the model folder at its default launch.
 import argparse
 import itertools
 import json
-import statistics
-import time
 
 import torch
+from bench_conv import rel, timer
 from model_folder import import_model_folder
 
 from kdamoe.model import attnres, attnres_triton
@@ -67,29 +66,6 @@ def candidates(default, smoke):
     if "programs_per_sm" in default[0]:
         out += [(dict(default[0], programs_per_sm=p), default[1]) for p in (4, 8, 16, 24)]
     return [c for i, c in enumerate(out) if c not in out[:i]]
-
-
-def timer(device):
-    if device.type == "cuda":
-        from triton.testing import do_bench
-
-        return lambda fn: do_bench(fn, warmup=25, rep=100)
-
-    def wall(fn, reps=2):
-        fn()
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(times)
-
-    return wall
-
-
-def rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 class Case:
