@@ -270,9 +270,9 @@ def depth_attention_bwd(dout, sources, query, gamma, logits, rstd, weights, need
                         accumulate=None):
     """``(dquery, dgamma, [dv_s or None], dnorm_weight or None)`` from the sources and statistics of
     ``depth_attention_fwd``, each parameter's gradient in its dtype; ``dv_s`` (in the sources' dtype) only where
-    ``needs_grad[s]``. With ``norm`` (and its ``rstd_h``), ``dout`` is the gradient of the normalised output. ``accumulate[s]``: None, or a tensor like
-    source s (not one of the sources) that dv_s is added to in place (to a contiguous copy of it when it is
-    not contiguous) and returned as dv_s."""
+    ``needs_grad[s]``. With ``norm`` (and its ``rstd_h``), ``dout`` is the gradient of the normalised output.
+    ``accumulate[s]``: None, or a tensor like source s (not one of the sources) that dv_s is added to in place (to a
+    contiguous copy of it when it is not contiguous) and returned as dv_s."""
     s0, S = sources[0], len(sources)
     R, D = s0.numel() // s0.shape[-1], s0.shape[-1]
     query, gamma = query.contiguous(), gamma.contiguous()
