@@ -828,15 +828,19 @@ def apply_balancing(blocks: list[KDAMoESparseMoeBlock]) -> list[dict]:
             part_loads = torch.stack([rows[p] for p in members])
             new = loss_free_balance(part_loads, biases, setting)
             new = torch.where(part_loads.sum(-1, keepdim=True) > 0, new, biases)
-            for row, p in enumerate(members):
-                pending[p][1].router.bias.copy_(new[row])
+            _copy_rows([pending[p][1].router.bias for p in members], new)
     mean = loads.double().mean(-1)
     max_vio = torch.where(counted, (loads.amax(-1) - mean) / mean.clamp_min(1e-30), 0.0)
     dead = (loads == 0).sum(-1)
     bias_norm = torch.stack([block.router.bias for _, block, _ in pending]).double().norm(dim=-1)
-    for p, (i, _, _) in enumerate(pending):
-        out[i] = {"loads": loads[p], "max_vio": max_vio[p], "dead_experts": dead[p], "bias_norm": bias_norm[p]}
+    for (i, _, _), *values in zip(pending, rows, max_vio.unbind(0), dead.unbind(0), bias_norm.unbind(0)):
+        out[i] = dict(zip(("loads", "max_vio", "dead_experts", "bias_norm"), values))
     return out
+
+
+def _copy_rows(targets: list[torch.Tensor], rows: torch.Tensor) -> None:
+    """``targets[i].copy_(rows[i])`` for every i, in one launch (a per-layer copy is a few host ops each)."""
+    torch._foreach_copy_(targets, list(rows.unbind(0)))
 
 
 BALANCE_GROUP_ELEMENTS = 1 << 26  # thresholds per batched Quantile Balancing update (float64, a few such buffers)
@@ -860,12 +864,8 @@ def _quantile_update(pending, loads: torch.Tensor, distributed: bool) -> None:
                         torch.distributed.all_reduce if distributed else None)  # from the last fixed point if any
     if state is not None:
         new, new_state, _ = smoothed_bias(new, bias, state, window)
-        new_state = torch.where(counted, new_state, state)
-        for row, block in enumerate(blocks):
-            block.router.bias_filter.copy_(new_state[row])
-    new = torch.where(counted, new, bias.double())
-    for row, block in enumerate(blocks):
-        block.router.bias.copy_(new[row])
+        _copy_rows([block.router.bias_filter for block in blocks], torch.where(counted, new_state, state))
+    _copy_rows([block.router.bias for block in blocks], torch.where(counted, new, bias.double()))
 
 
 def _logit_drift(blocks, logits, real, input_sum, loads, distributed: bool) -> torch.Tensor:
@@ -880,12 +880,10 @@ def _logit_drift(blocks, logits, real, input_sum, loads, distributed: bool) -> t
         torch.distributed.all_reduce(sums)
     count = (loads.sum(-1, keepdim=True) / blocks[0].top_k).clamp_min(1).double()  # [L, 1] real tokens
     mean_input, mean_logit = sums[:, :width] / count, sums[:, width:] / count
-    weights = []
-    for block in blocks:
-        weight = block.router.weight.detach()
-        weight = weight.full_tensor() if hasattr(weight, "full_tensor") else weight  # an FSDP2 shard
-        weights.append(weight.to(block._weight_dtype))
-    moved = torch.bmm(torch.stack(weights).double(), mean_input.unsqueeze(-1)).squeeze(-1)  # [L, E]
+    weights = [block.router.weight for block in blocks]  # apply_balancing runs without grad
+    weights = [w.full_tensor() if hasattr(w, "full_tensor") else w for w in weights]  # FSDP2 shards
+    weights = torch.stack(weights).to(blocks[0]._weight_dtype)  # as the forwards read them (the blocks share it)
+    moved = torch.bmm(weights.double(), mean_input.unsqueeze(-1)).squeeze(-1)  # [L, E]
     return (moved - mean_logit).float().unsqueeze(1)
 
 
