@@ -4,7 +4,7 @@
 Without a GPU the kernels run under ``TRITON_INTERPRET=1`` (set before triton is first imported; when another module
 imported triton earlier in this process, ``test_kernels_in_interpreter_subprocess`` reruns this file in a fresh
 process). The ``small_tiles`` fixture shrinks the tiles so that each shape spans several tiles and persistent
-programs with rows left over.
+programs with rows left over; the model-level tests run the default launch (their 48 rows of 32 values are two tiles).
 """
 
 import shutil
@@ -335,13 +335,12 @@ for dtypes, norm, sink in (((torch.bfloat16,) * 5, True, True), ((torch.float32,
 """
 
 
-@pytest.mark.parametrize("kernel", ["_fwd_kernel", "_bwd_kernel", "_param_grad_kernel"])
-def test_kernels_compile_for_sm90(kernel):
+def test_kernels_compile_for_sm90():
     """The kernels compile to cubins for an H100/H200 (sm_90) as the GPU launches them, which the interpreter does
     not check: the twin's deepest Block AttnRes read (5 bf16 sources, the fused norm, gradient sinks on the 4
     completed sources) and mixed-dtype sources (fp32 embedding, bf16 sublayer output, as under autocast). No GPU
     needed, in a process without the interpreter."""
-    check_compiles_for_sm90(SM90_LAUNCHES.replace("{kernel}", kernel), expected=2)
+    check_compiles_for_sm90(SM90_LAUNCHES, expected=2, kernels=("_fwd_kernel", "_bwd_kernel", "_param_grad_kernel"))
 
 
 def test_module_imports_and_falls_back_without_triton(tmp_path):
@@ -377,7 +376,7 @@ print("ok")
 
 @kernel_test
 @pytest.mark.parametrize("mode", ["block_attnres", "full_attnres"])
-def test_model_with_depth_attention_and_norm_in_one_op_equals_the_two_ops(small_tiles, monkeypatch, mode):
+def test_model_with_depth_attention_and_norm_in_one_op_equals_the_two_ops(monkeypatch, mode):
     """A Block / Full AttnRes model whose depth attention runs on the kernels: with each sublayer's norm fused into
     them (the default) its loss, every parameter gradient and the hidden states equal those of the two ops apart (a
     hook on every norm turns the fusion off, as any hook does)."""
@@ -412,7 +411,7 @@ def test_model_with_depth_attention_and_norm_in_one_op_equals_the_two_ops(small_
 
 @pytest.mark.parametrize("kernels", [False, pytest.param(True, marks=kernel_test)])
 @pytest.mark.parametrize("mode", ["block_attnres", "full_attnres"])
-def test_model_gradients_with_gradient_sinks_equal_autograds_sums(small_tiles, monkeypatch, mode, kernels):
+def test_model_gradients_with_gradient_sinks_equal_autograds_sums(monkeypatch, mode, kernels):
     """A Block / Full AttnRes model whose completed sources sum their readers' gradients in sinks: every parameter
     gradient equals that of the same model with the sources unmarked (autograd sums), also under gradient
     checkpointing, whose recompute builds sinks of its own."""

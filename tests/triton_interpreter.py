@@ -3,6 +3,7 @@ is first imported. Import this module before anything that imports triton. When 
 triton earlier in the same process, the kernel tests of a file are skipped there and ``rerun_in_interpreter``
 reruns the whole file in a fresh process with the flag set."""
 
+import json
 import os
 import subprocess
 import sys
@@ -21,6 +22,40 @@ except ImportError:
 
 HAS_TRITON = tl is not None
 NEEDS_SUBPROCESS = HAS_TRITON and not ON_GPU and type(tl.cumsum).__name__ != "InterpretedFunction"
+
+
+def _tree_reduce(self, input):
+    """``tl.reduce`` with a combine function of the kernel's own, in log2(n) vectorised calls of it: the interpreter
+    calls it once per element (minutes for a model-level test). The combine function is associative, as ``tl.reduce``
+    requires, so halving the axis pairwise gives the result of the GPU's tree up to the order of rounding."""
+    import numpy as np
+
+    axis = self.axis
+    data = [t.handle.data if axis is not None else t.handle.data.reshape(-1) for t in input]
+    data = [np.moveaxis(d, axis or 0, -1) for d in data]
+    while data[0].shape[-1] > 1:
+        half = data[0].shape[-1] // 2
+        a = [self.to_tensor(d[..., :half], t.dtype) for d, t in zip(data, input)]
+        b = [self.to_tensor(d[..., half:2 * half], t.dtype) for d, t in zip(data, input)]
+        out = self.combine_fn.fn(*a, *b)
+        out = out if isinstance(out, tuple) else (out,)
+        out = [np.broadcast_to(o.handle.data if isinstance(o, tl.core.tensor) else o, d[..., :half].shape)
+               for o, d in zip(out, data)]
+        data = [np.concatenate([o, d[..., 2 * half:]], -1) for o, d in zip(out, data)]
+    data = [d[..., 0] for d in data]
+    if self.keep_dims:
+        data = [np.expand_dims(d, axis) if axis is not None else d.reshape((1,) * t.handle.data.ndim)
+                for d, t in zip(data, input)]
+    elif axis is None:
+        data = [d.item() for d in data]
+    return [self.to_tensor(d, t.dtype) for d, t in zip(data, input)]
+
+
+if HAS_TRITON and not ON_GPU and not NEEDS_SUBPROCESS:
+    from triton.runtime import interpreter as _interpreter
+
+    if hasattr(getattr(_interpreter, "ReduceOps", None), "generic_reduce"):
+        _interpreter.ReduceOps.generic_reduce = _tree_reduce
 kernel_test = pytest.mark.skipif(not HAS_TRITON or NEEDS_SUBPROCESS,
                                  reason="needs triton, run in this process on a GPU or under the interpreter")
 rerun_test = pytest.mark.skipif(not NEEDS_SUBPROCESS, reason="the kernels run in this process")
@@ -36,7 +71,9 @@ def rerun_in_interpreter(path, timeout):
 
 
 SM90_PRELUDE = r"""
+import json, os, sys, traceback
 import torch, triton
+import kdamoe.model  # the slow imports once, before the pieces fork
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
@@ -61,17 +98,36 @@ for args, kwargs in launches:
             if signature[name] == "constexpr":
                 constants[name] = values[name]
     triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32), options=options)
-print("compiled", len(launches))
+print("compiled", kernel.fn.__name__, len(launches), flush=True)
+"""
+
+SM90_EACH = r"""
+for piece in json.loads(sys.argv[1]):  # each in a forked child: a piece replaces module attributes by Record()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            exec(piece, dict(globals()))
+        except BaseException:
+            traceback.print_exc()
+            os._exit(1)
+        os._exit(0)
+    if os.waitpid(pid, 0)[1] != 0:
+        sys.exit(1)
 """
 
 
-def check_compiles_for_sm90(launch: str, expected: int) -> None:
-    """Compile a kernel for an H100/H200 (sm_90) as the GPU would launch it, without a GPU: ``launch`` (Python run
-    after ``SM90_PRELUDE``) sets ``kernel`` to the jit function, replaces the module's attribute by ``Record()`` and
-    calls the host code, whose launches are recorded; each is then compiled to a cubin in a process without the
-    interpreter. ``expected``: the number of launches."""
+def check_compiles_for_sm90(launch: str, expected: int, kernels: tuple[str, ...] = ("",)) -> None:
+    """Compile kernels for an H100/H200 (sm_90) as the GPU would launch them, without a GPU: ``launch`` (Python run
+    after ``SM90_PRELUDE``, once per name in ``kernels``, which replaces ``{kernel}`` in it) sets ``kernel`` to the
+    jit function, replaces the module's attribute by ``Record()`` and calls the host code, whose launches are
+    recorded; each is then compiled to a cubin, in one process without the interpreter (a forked child per kernel).
+    ``expected``: the number of launches of each kernel."""
     pytest.importorskip("triton")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", SM90_PRELUDE + launch + SM90_COMPILE], env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert res.returncode == 0 and f"compiled {expected}" in res.stdout, res.stderr[-3000:]
+    pieces = [launch.replace("{kernel}", name) + SM90_COMPILE for name in kernels]
+    res = subprocess.run([sys.executable, "-c", SM90_PRELUDE + SM90_EACH, json.dumps(pieces)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    compiled = [line.split() for line in res.stdout.splitlines() if line.startswith("compiled ")]
+    assert res.returncode == 0 and len(compiled) == len(kernels), res.stdout[-2000:] + res.stderr[-3000:]
+    for _, name, count in compiled:
+        assert int(count) == expected, f"{name}: {count} launches, expected {expected}"
