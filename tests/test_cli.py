@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from kdamoe.errors import UsageError, check_safetensors, run_cli
-from kdamoe.train import train
+from kdamoe.train import main as train_main, train
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -31,7 +31,9 @@ def truncate(path) -> None:
     path.write_bytes(data[: len(data) // 2])
 
 
-def test_train_user_errors(trained_run, tmp_path):
+def test_train_user_errors(trained_run, tmp_path, capsys):
+    """The first error through the installed command's process; the rest through `kdamoe.train.main` in this one
+    (the same `run_cli` wrapper, without a Python start each)."""
     base = ["--config", trained_run.parent / "cfg.json", "--tokenizer", trained_run.parent / "tok", "--stages", "32:2"]
     out = tmp_path / "run"
     train([*map(str, base), "--output-dir", str(out)])
@@ -40,16 +42,23 @@ def test_train_user_errors(trained_run, tmp_path):
                  cwd=tmp_path)
     assert_usage_error(result, "kdamoe-train", "empty.txt", "is empty")
     assert not (tmp_path / "new").exists()
-    assert_usage_error(cli("kdamoe.train", *base, "--max-steps", "0", "--output-dir", tmp_path / "new", cwd=tmp_path),
+
+    def in_process(*args):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            train_main([*map(str, base), *map(str, args)])
+        return subprocess.CompletedProcess(args, exit_info.value.code, "", capsys.readouterr().err)
+
+    assert_usage_error(in_process("--max-steps", "0", "--output-dir", tmp_path / "new"),
                        "kdamoe-train", "--max-steps must be >= 1")
-    assert_usage_error(cli("kdamoe.train", *base, "--output-dir", out, cwd=tmp_path),
-                       "kdamoe-train", "holds another run", "--resume")
-    result = cli("kdamoe.train", *base, "--output-dir", out, "--resume", "--lr", "0.5", cwd=tmp_path)
-    assert_usage_error(result, "kdamoe-train", "different config", "settings.lr")
+    assert_usage_error(in_process("--output-dir", out), "kdamoe-train", "holds another run", "--resume")
+    assert_usage_error(in_process("--output-dir", out, "--resume", "--lr", "0.5"),
+                       "kdamoe-train", "different config", "settings.lr")
     (checkpoint,) = (out / "checkpoints").iterdir()
     truncate(checkpoint / "model.safetensors")
-    assert_usage_error(cli("kdamoe.train", *base, "--output-dir", out, "--resume", cwd=tmp_path),
+    assert_usage_error(in_process("--output-dir", out, "--resume"),
                        "kdamoe-train", str(checkpoint / "model.safetensors"), "is damaged", f"delete {checkpoint}")
+    assert not (tmp_path / "new").exists()
 
 
 def test_eval_and_push_name_a_damaged_weights_file(model_dir, tmp_path):
