@@ -1,7 +1,8 @@
 """How the Triton kernel tests run without a GPU: under ``TRITON_INTERPRET=1``, which takes effect only before triton
 is first imported. Import this module before anything that imports triton. When another test module imported
 triton earlier in the same process, the kernel tests of a file are skipped there and ``rerun_in_interpreter``
-reruns the whole file in a fresh process with the flag set."""
+reruns the whole file in a fresh process with the flag set. Under the interpreter ``tl.reduce`` with a kernel's own
+combine function runs vectorised (``_tree_reduce``)."""
 
 import json
 import os
@@ -22,6 +23,11 @@ except ImportError:
 
 HAS_TRITON = tl is not None
 NEEDS_SUBPROCESS = HAS_TRITON and not ON_GPU and type(tl.cumsum).__name__ != "InterpretedFunction"
+
+kernel_test = pytest.mark.skipif(not HAS_TRITON or NEEDS_SUBPROCESS,
+                                 reason="needs triton, run in this process on a GPU or under the interpreter")
+rerun_test = pytest.mark.skipif(not NEEDS_SUBPROCESS, reason="the kernels run in this process")
+gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 
 
 def _tree_reduce(self, input):
@@ -56,10 +62,6 @@ if HAS_TRITON and not ON_GPU and not NEEDS_SUBPROCESS:
 
     if hasattr(getattr(_interpreter, "ReduceOps", None), "generic_reduce"):
         _interpreter.ReduceOps.generic_reduce = _tree_reduce
-kernel_test = pytest.mark.skipif(not HAS_TRITON or NEEDS_SUBPROCESS,
-                                 reason="needs triton, run in this process on a GPU or under the interpreter")
-rerun_test = pytest.mark.skipif(not NEEDS_SUBPROCESS, reason="the kernels run in this process")
-gpu_only = pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")
 
 
 def rerun_in_interpreter(path, timeout):
