@@ -138,6 +138,60 @@ def test_readers_sum_a_sources_gradient_in_its_sink(small_tiles, monkeypatch, ba
             assert calls[:3] == [[False, False, False], [True, True], [True]], calls
 
 
+def block_of_three_sublayers(embedding, modules, weights, backend, cot, seen=None):
+    """One block through `ResidualState`: sublayer n reads the embedding and the partial sum, its output
+    ``tanh(x @ weights[n])`` is added to the sum, and ``modules[3]`` reads the last sum; ``seen`` collects each
+    output's gradient (the tensor, and a copy made when it arrives)."""
+    state = attnres.ResidualState.start(embedding, "block_attnres")
+    for module, weight in zip(modules, weights):
+        out = torch.tanh(module(state.sources(), backend=backend) @ weight)
+        if seen is not None:
+            out.register_hook(lambda grad: seen.append((grad, grad.clone())))
+        state = state.add(out, close_block=False)
+    return (modules[3](state.sources(), backend=backend) * cot).sum()
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=kernel_test)])
+def test_partial_sums_take_the_gradient_the_add_lends(small_tiles, monkeypatch, backend):
+    """The partial sums of a block carry sinks too: the add forming the next sum lends its gradient to the partial's
+    sink and the depth attention reading the partial adds its part to it out of place. Every gradient equals float64
+    autograd's and that of the same block unmarked, and the lent tensors (the outputs' gradients) keep their values."""
+    D = 24
+    gen = torch.Generator().manual_seed(7)
+    embedding = torch.randn(2, 5, D, generator=gen, dtype=torch.float64)
+    weights = [torch.randn(D, D, generator=gen, dtype=torch.float64) / D**0.5 for _ in range(3)]
+    modules = [make(1, D=D, seed=30 + n)[0] for n in range(4)]
+    cot = torch.randn(2, 5, D, generator=gen, dtype=torch.float64)
+
+    def grads(dev, dtype, marked, seen=None):
+        leaves = [t.detach().to(dev, dtype).requires_grad_() for t in (embedding, *weights)]
+        mods = [on_dev(m, [])[0].to(dtype) for m in modules]
+        with monkeypatch.context() as m:
+            if not marked:
+                m.setattr(attnres, "with_gradient_sink", lambda source: source)
+            loss = block_of_three_sublayers(leaves[0], mods, leaves[1:], backend if dtype == torch.float32 else "torch",
+                                            cot.to(dev, dtype), seen)
+        params = [p for mod in mods for p in mod.parameters()]
+        return torch.autograd.grad(loss, leaves + params)
+
+    addends = []
+    real = attnres._lent_gradient
+    monkeypatch.setattr(attnres, "_lent_gradient", lambda *args: addends.append(real(*args)) or addends[-1])
+    want = grads("cpu", torch.float64, marked=False)
+    seen = []
+    addends.clear()
+    got = grads(DEV, torch.float32, marked=True, seen=seen)
+    lent = addends[:]
+    addends.clear()
+    plain = grads(DEV, torch.float32, marked=False)
+    for n, (a, b, c) in enumerate(zip(got, want, plain)):
+        assert rel(a, b) < 1e-5 and rel(a, c) < 1e-6, n
+    assert len(seen) == 3 and all(torch.equal(grad, copy) for grad, copy in seen)
+    # backward order: the last read (no add after it), sublayers 2 and 1 (their partial sum holds the add's lent
+    # gradient), sublayer 0 (the embedding alone); unmarked, no reader gets one
+    assert [None if a is None else a[0] for a in lent] == [None, 1, 1, None] and addends == [None] * 4
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Triton kernels
 # ---------------------------------------------------------------------------------------------------------------------
@@ -331,14 +385,15 @@ for dtypes, norm, sink in (((torch.bfloat16,) * 5, True, True), ((torch.float32,
         sinks = [torch.zeros_like(v) if sink and s < len(sources) - 1 else None for s, v in enumerate(sources)]
         attnres_triton.depth_attention_bwd(torch.zeros(R, D, dtype=torch.bfloat16), sources, torch.zeros(D),
                                            torch.zeros(D), stats, stats, stats, [True] * len(sources), norm=rms,
-                                           rstd_h=torch.zeros(R) if norm else None, accumulate=sinks)
+                                           rstd_h=torch.zeros(R) if norm else None, accumulate=sinks,
+                                           addend=(len(sources) - 1, torch.zeros_like(sources[-1])) if sink else None)
 """
 
 
 def test_kernels_compile_for_sm90():
     """The kernels compile to cubins for an H100/H200 (sm_90) as the GPU launches them, which the interpreter does
     not check: the twin's deepest Block AttnRes read (5 bf16 sources, the fused norm, gradient sinks on the 4
-    completed sources) and mixed-dtype sources (fp32 embedding, bf16 sublayer output, as under autocast). No GPU
+    completed sources, a gradient lent to the partial sum's) and mixed-dtype sources (fp32 embedding, bf16 sublayer output, as under autocast). No GPU
     needed, in a process without the interpreter."""
     check_compiles_for_sm90(SM90_LAUNCHES, expected=2, kernels=("_fwd_kernel", "_bwd_kernel", "_param_grad_kernel"))
 

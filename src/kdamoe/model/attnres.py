@@ -17,10 +17,12 @@ for the backward, which recomputes it from the sources.
 
 A block's source is read by every later sublayer's depth attention. Each backward would return its own gradient
 tensor of the source for autograd to add up (per reader after the first: the kernel writes a tensor, then an add reads
-two and writes one); instead `ResidualState` marks each completed source with a gradient sink (`with_gradient_sink`),
-into which every reader's backward adds its part in place (the kernels read and write the one buffer), and the sink
-hands the sum to autograd once all readers are done. Where no gradient is recorded, or under torch.compile, sources
-are left unmarked and autograd sums as usual.
+two and writes one); instead `ResidualState` marks each source with a gradient sink (`with_gradient_sink`), into which
+every reader's backward adds its part in place (the kernels read and write the one buffer), and the sink hands the sum
+to autograd once all readers are done. A partial sum p is also read by the add that forms the next one (p + output),
+whose backward runs first: it lends its gradient to p's sink (`add_to_partial`), and the depth attention reading p
+adds its part to the lent tensor out of place (other nodes hold it), so p's gradient costs no separate add either.
+Where no gradient is recorded, or under torch.compile, sources are left unmarked and autograd sums as usual.
 
 Dispatch: the Triton kernels of `attnres_triton.py` (each pass reads every source once; the torch code here reads
 each about 5 times through fp32 temporaries) for CUDA sources when triton imports and the kernels take them (at most
@@ -77,9 +79,8 @@ def _forward_torch(sources, u, eps):
     return out if out.dtype == sources[0].dtype else out.to(sources[0].dtype), logits, rstd, weights
 
 
-def _backward_torch(dout, sources, u, logits, rstd, weights, needs_grad, accumulate):
-    """``(du [D], [dv_s or None])`` of the torch path; ``accumulate`` as for `depth_attention_bwd` (dv_s added to
-    ``accumulate[s]`` in place and returned)."""
+def _backward_torch(dout, sources, u, logits, rstd, weights, needs_grad, accumulate, addend=None):
+    """``(du [D], [dv_s or None])`` of the torch path; ``accumulate`` and ``addend`` as for `depth_attention_bwd`."""
     D = u.shape[0]
     dout = _wide(dout)
     g = torch.stack([(dout * v).sum(-1) for v in sources])  # [S, B, T]: ∂L/∂weight_s
@@ -92,7 +93,10 @@ def _backward_torch(dout, sources, u, logits, rstd, weights, needs_grad, accumul
         if not needs_grad[s]:
             dsources.append(None)
             continue
-        dv = (weights[s, ..., None] * dout + a[s, ..., None] * u - c[s, ..., None] * _wide(v)).to(v.dtype)
+        dv = weights[s, ..., None] * dout + a[s, ..., None] * u - c[s, ..., None] * _wide(v)
+        if addend is not None and addend[0] == s:
+            dv = dv + addend[1]
+        dv = dv.to(v.dtype)
         dsources.append(dv if accumulate[s] is None else accumulate[s].add_(dv))
     return du, dsources
 
@@ -111,16 +115,30 @@ def _depth_attention_forward(query, key_norm_weight, eps, kernels, sources, norm
 
 
 class _GradientSink:
-    """The gradient of one source, which every depth attention reading it adds to in place (`grad`: None until the
-    first, in backward order, stores its part)."""
+    """The gradient of one source, which every depth attention reading it adds to (`grad`: None until the first, in
+    backward order, stores or lends its part). `owned`: `grad` is the sink's own buffer, added to in place; a lent
+    gradient (`lend`) is also held by other nodes, so the next part is added to it out of place."""
 
-    __slots__ = ("grad",)
+    __slots__ = ("grad", "owned")
 
     def __init__(self):
-        self.grad = None
+        self.grad, self.owned = None, False
+
+    def store(self, grad: torch.Tensor) -> None:
+        """A reader's result, which includes what the sink held: the sink owns it."""
+        self.grad, self.owned = grad, True
+
+    def lend(self, grad: torch.Tensor) -> None:
+        """A gradient that other nodes may still hold (never written in place)."""
+        if self.grad is None:
+            self.grad, self.owned = grad, False
+        elif self.owned:
+            self.grad.add_(grad)
+        else:
+            self.store(self.grad + grad)
 
     def take(self) -> torch.Tensor | None:
-        grad, self.grad = self.grad, None
+        grad, self.grad, self.owned = self.grad, None, False
         return grad
 
 
@@ -142,6 +160,29 @@ class _SummedGradient(torch.autograd.Function):
         return summed, None
 
 
+class _AddToPartial(torch.autograd.Function):
+    """``partial + output``, whose backward lends the sum's gradient to the partial's sink rather than returning it
+    (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, partial, output, sink):
+        ctx.sink, ctx.dtypes = sink, (partial.dtype, output.dtype)
+        return partial + output
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.sink.lend(grad.to(ctx.dtypes[0]))
+        return None, grad.to(ctx.dtypes[1]), None
+
+
+def add_to_partial(partial: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+    """``partial + output`` (same shape); its gradient goes to ``partial``'s sink when it is marked."""
+    sink = getattr(partial, "_gradient_sink", None)
+    if sink is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return partial + output
+    return _AddToPartial.apply(partial, output, sink)
+
+
 def with_gradient_sink(source: torch.Tensor) -> torch.Tensor:
     """``source`` marked so that the depth attentions reading it sum its gradient in one buffer (module docstring);
     ``source`` itself when no gradient is recorded for it, or under torch.compile."""
@@ -151,6 +192,15 @@ def with_gradient_sink(source: torch.Tensor) -> torch.Tensor:
     marked = _SummedGradient.apply(source, sink)
     marked._gradient_sink = sink
     return marked
+
+
+def _lent_gradient(sinks, accumulate) -> tuple[int, torch.Tensor] | None:
+    """``(s, gradient)`` of the one source whose sink holds a lent gradient (a partial sum's: there is at most one in a
+    call), for the backward to add out of place; any other lent gradient is copied into ``accumulate``."""
+    lent = [s for s, sink in enumerate(sinks) if sink is not None and sink.grad is not None and not sink.owned]
+    for s in lent[1:]:
+        accumulate[s] = sinks[s].grad.clone()
+    return (lent[0], sinks[lent[0]].grad) if lent else None
 
 
 class _DepthAttentionFunction(torch.autograd.Function):
@@ -174,18 +224,20 @@ class _DepthAttentionFunction(torch.autograd.Function):
         query, gamma, norm_weight, rstd_h, logits, rstd, weights, *sources = ctx.saved_tensors
         sinks = ctx.sinks
         needs = [need or sink is not None for need, sink in zip(ctx.needs_input_grad[7:], sinks)]
-        accumulate = [None if sink is None else sink.grad for sink in sinks]
+        accumulate = [sink.grad if sink is not None and sink.owned else None for sink in sinks]
+        addend = _lent_gradient(sinks, accumulate)
         if ctx.kernels:  # the parameters' gradients in their dtypes, from the kernels
             norm = None if norm_weight is None else (norm_weight, ctx.norm_eps)
             dquery, dgamma, dsources, dnorm = depth_attention_bwd(dout, sources, query, gamma, logits, rstd, weights,
-                                                                  needs, norm, rstd_h, accumulate)
+                                                                  needs, norm, rstd_h, accumulate, addend)
         else:
             du, dsources = _backward_torch(dout, sources, _wide(query) * _wide(gamma), logits, rstd, weights, needs,
-                                           accumulate)
+                                           accumulate, addend)
             dquery, dgamma, dnorm = (du * _wide(gamma)).to(query.dtype), (du * _wide(query)).to(gamma.dtype), None
         for s, sink in enumerate(sinks):  # the sink's sum so far, with this reader's part added
             if sink is not None:
-                sink.grad, dsources[s] = dsources[s], None
+                sink.store(dsources[s])
+                dsources[s] = None
         needs_params = ctx.needs_input_grad[:3]
         return (dquery if needs_params[0] else None, dgamma if needs_params[1] else None,
                 dnorm if needs_params[2] else None, None, None, None, None, *dsources)
@@ -238,8 +290,8 @@ class ResidualState:
 
     `completed`: the sources of closed blocks (the embedding first), each `[B, T, D]` and marked by
     `with_gradient_sink`; empty in `standard` mode.
-    `partial`: `[B, T, D]` running sum of the current block (None when the block is empty); in `standard` mode
-    it is the residual stream `x` itself.
+    `partial`: `[B, T, D]` running sum of the current block (None when the block is empty), marked too; in
+    `standard` mode it is the residual stream `x` itself.
     """
 
     completed: tuple[torch.Tensor, ...]
@@ -261,11 +313,14 @@ class ResidualState:
         return depth_attention(self.sources())
 
     def add(self, output: torch.Tensor, close_block: bool) -> "ResidualState":
-        """Add a sublayer's output to the partial sum; closing the block turns the sum into a source."""
-        partial = output if self.partial is None else self.partial + output
+        """Add a sublayer's output to the partial sum; closing the block turns the sum into a source. With depth
+        attention (completed sources) the partial sum is marked with a gradient sink too."""
+        partial = output if self.partial is None else add_to_partial(self.partial, output)
+        if not self.completed:  # the standard residual
+            return ResidualState(self.completed, partial)
         if close_block:
             return ResidualState((*self.completed, with_gradient_sink(partial)), None)
-        return ResidualState(self.completed, partial)
+        return ResidualState(self.completed, with_gradient_sink(partial))
 
 
 __all__ = ["DepthAttention", "ResidualState"]

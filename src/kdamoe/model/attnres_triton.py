@@ -7,8 +7,8 @@ Both compute what ``_DepthAttentionFunction``'s torch code computes, per token r
   uses. The mix is an online softmax (running max and sum; the accumulator is rescaled when the max grows), so no
   source is needed again once its logit is known.
 - backward: ``g_s = dout · v_s``, ``dlogit = w ⊙ (g − Σ_s w g)``, ``a_s = dlogit_s rstd_s``, ``c_s = dlogit_s
-  rstd_s² logit_s / D``; ``dv_s = w_s dout + a_s u − c_s v_s`` for the sources that need it (stored, or added in
-  place to a source's gradient sink: ``attnres.py``), and ``du = Σ_rows Σ_s a_s v_s``, which each program of a
+  rstd_s² logit_s / D``; ``dv_s = w_s dout + a_s u − c_s v_s`` for the sources that need it (stored, added in
+  place to a source's gradient sink, or stored with a gradient lent to the sink added: ``attnres.py``), and ``du = Σ_rows Σ_s a_s v_s``, which each program of a
   persistent grid sums over its tiles in fp32 registers and stores as one row of a ``[P, D]`` buffer; a small
   kernel sums the rows (deterministic, no atomics) and writes the parameters' gradients ``du ⊙ γ``, ``du ⊙ query``
   in their dtypes. ``u`` is formed in the kernels, so a call runs no torch op on the parameters.
@@ -159,12 +159,13 @@ if triton is not None:
     @triton.jit
     def _bwd_kernel(V0, V1, V2, V3, V4, V5, V6, V7, V8, V9, V10, V11, V12, V13, V14, V15,
                     DV0, DV1, DV2, DV3, DV4, DV5, DV6, DV7, DV8, DV9, DV10, DV11, DV12, DV13, DV14, DV15,
-                    Q, G, DOUT, LOGITS, RSTD, WEIGHTS, DU, NW, RSTD_H, DNW, R, D, n_tiles,
-                    S: tl.constexpr, NEEDS: tl.constexpr, ACC: tl.constexpr, NORM: tl.constexpr,
-                    HOLD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                    Q, G, DOUT, LOGITS, RSTD, WEIGHTS, DU, NW, RSTD_H, DNW, ADDEND, R, D, n_tiles,
+                    S: tl.constexpr, NEEDS: tl.constexpr, ACC: tl.constexpr, ADD_S: tl.constexpr,
+                    NORM: tl.constexpr, HOLD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
         """Persistent: tiles pid, pid + P, ...; dv_s for the sources whose bit is set in NEEDS, added to what DV_s
         holds where the bit of ACC is set too (a gradient sink: one buffer that every reader of a source adds to,
-        in place of one tensor per reader that autograd sums after); this program's
+        in place of one tensor per reader that autograd sums after), and for source ADD_S (-1: none) to ADDEND,
+        read, not written (a gradient that other nodes hold); this program's
         Σ_rows Σ_s a_s v_s goes to row pid of DU [P, D]. With NORM, DOUT is the gradient of RMSNorm_NW(h): h = Σ_s
         w_s v_s is recomputed from the tile's sources, taken through the norm's backward, and this program's
         Σ_rows dout ⊙ h·rstd_h goes to row pid of DNW [P, D]."""
@@ -214,6 +215,8 @@ if triton is not None:
                     dv = w[s][:, None] * dout + a * u - c * v
                     if (ACC >> s) & 1:
                         dv += tl.load(DV[s] + offs, mask=mask, other=0.0).to(tl.float32)
+                    if s == ADD_S:
+                        dv += tl.load(ADDEND + offs, mask=mask, other=0.0).to(tl.float32)
                     tl.store(DV[s] + offs, dv.to(DV[s].dtype.element_ty), mask=mask)
         tl.store(DU + pid * D + cols, tl.sum(du, axis=0), mask=m_d)
         if NORM:
@@ -267,16 +270,21 @@ def depth_attention_fwd(sources, query, gamma, eps, norm=None):
 
 
 def depth_attention_bwd(dout, sources, query, gamma, logits, rstd, weights, needs_grad, norm=None, rstd_h=None,
-                        accumulate=None):
+                        accumulate=None, addend=None):
     """``(dquery, dgamma, [dv_s or None], dnorm_weight or None)`` from the sources and statistics of
     ``depth_attention_fwd``, each parameter's gradient in its dtype; ``dv_s`` (in the sources' dtype) only where
     ``needs_grad[s]``. With ``norm`` (and its ``rstd_h``), ``dout`` is the gradient of the normalised output.
     ``accumulate[s]``: None, or a tensor like source s (not one of the sources) that dv_s is added to in place (to a
-    contiguous copy of it when it is not contiguous) and returned as dv_s."""
+    contiguous copy of it when it is not contiguous) and returned as dv_s. ``addend``: None, or ``(s, tensor like
+    source s)`` added to dv_s out of place (source s needs its gradient and accumulates none)."""
     s0, S = sources[0], len(sources)
     R, D = s0.numel() // s0.shape[-1], s0.shape[-1]
     query, gamma = query.contiguous(), gamma.contiguous()
     accumulate = accumulate or (None,) * S
+    add_s, added = addend if addend is not None else (-1, None)
+    if added is not None:
+        assert needs_grad[add_s] and accumulate[add_s] is None and added.shape == sources[add_s].shape
+        added = added.contiguous()
     dsources = [None if not need else torch.empty_like(v) if acc is None else acc.contiguous()
                 for v, need, acc in zip(sources, needs_grad, accumulate)]
     targets = [v if dv is None else dv for v, dv in zip(sources, dsources)]  # a clear NEEDS bit: never written
@@ -289,10 +297,10 @@ def depth_attention_bwd(dout, sources, query, gamma, logits, rstd, weights, need
     _bwd_kernel[(programs,)](
         *_padded(sources), *_padded(targets), query, gamma, dout.contiguous(), logits, rstd, weights, du,
         norm[0].contiguous() if norm is not None else du, rstd_h if norm is not None else logits,
-        dnw if norm is not None else du, R, D, n_tiles,
+        dnw if norm is not None else du, du if added is None else added, R, D, n_tiles,
         S=S, NEEDS=sum(1 << s for s, need in enumerate(needs_grad) if need),
         ACC=sum(1 << s for s, (need, acc) in enumerate(zip(needs_grad, accumulate)) if need and acc is not None),
-        NORM=norm is not None, HOLD=hold, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
+        ADD_S=add_s, NORM=norm is not None, HOLD=hold, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
     dquery, dgamma = torch.empty_like(query), torch.empty_like(gamma)
     dnorm = torch.empty_like(norm[0]) if norm is not None else None
     block_d = 32
