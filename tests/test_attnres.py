@@ -393,8 +393,8 @@ for dtypes, norm, sink in (((torch.bfloat16,) * 5, True, True), ((torch.float32,
 def test_kernels_compile_for_sm90():
     """The kernels compile to cubins for an H100/H200 (sm_90) as the GPU launches them, which the interpreter does
     not check: the twin's deepest Block AttnRes read (5 bf16 sources, the fused norm, gradient sinks on the 4
-    completed sources, a gradient lent to the partial sum's) and mixed-dtype sources (fp32 embedding, bf16 sublayer output, as under autocast). No GPU
-    needed, in a process without the interpreter."""
+    completed sources, a gradient lent to the partial sum's) and mixed-dtype sources (fp32 embedding, bf16 sublayer
+    output, as under autocast). No GPU needed, in a process without the interpreter."""
     check_compiles_for_sm90(SM90_LAUNCHES, expected=2, kernels=("_fwd_kernel", "_bwd_kernel", "_param_grad_kernel"))
 
 

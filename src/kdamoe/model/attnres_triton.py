@@ -8,10 +8,11 @@ Both compute what ``_DepthAttentionFunction``'s torch code computes, per token r
   source is needed again once its logit is known.
 - backward: ``g_s = dout · v_s``, ``dlogit = w ⊙ (g − Σ_s w g)``, ``a_s = dlogit_s rstd_s``, ``c_s = dlogit_s
   rstd_s² logit_s / D``; ``dv_s = w_s dout + a_s u − c_s v_s`` for the sources that need it (stored, added in
-  place to a source's gradient sink, or stored with a gradient lent to the sink added: ``attnres.py``), and ``du = Σ_rows Σ_s a_s v_s``, which each program of a
-  persistent grid sums over its tiles in fp32 registers and stores as one row of a ``[P, D]`` buffer; a small
-  kernel sums the rows (deterministic, no atomics) and writes the parameters' gradients ``du ⊙ γ``, ``du ⊙ query``
-  in their dtypes. ``u`` is formed in the kernels, so a call runs no torch op on the parameters.
+  place to a source's gradient sink, or stored with a gradient lent to the sink added: ``attnres.py``), and
+  ``du = Σ_rows Σ_s a_s v_s``, which each program of a persistent grid sums over its tiles in fp32 registers and
+  stores as one row of a ``[P, D]`` buffer; a small kernel sums the rows (deterministic, no atomics) and writes the
+  parameters' gradients ``du ⊙ γ``, ``du ⊙ query`` in their dtypes. ``u`` is formed in the kernels, so a call runs
+  no torch op on the parameters.
 - with NORM, the sublayer's RMSNorm in the same kernels: the forward stores ``RMSNorm_w(h)`` of the mix h (h stays
   in registers) and h's ``[rows]`` rstd; the backward recomputes ``h = Σ_s w_s v_s`` from the sources it holds,
   turns the incoming gradient into h's (``rstd (w ⊙ dy − ĥ mean(ĥ ⊙ w ⊙ dy))``, ``ĥ = h·rstd``) and sums the norm
