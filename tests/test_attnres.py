@@ -165,7 +165,7 @@ def test_partial_sums_take_the_gradient_the_add_lends(small_tiles, monkeypatch, 
 
     def grads(dev, dtype, marked, seen=None):
         leaves = [t.detach().to(dev, dtype).requires_grad_() for t in (embedding, *weights)]
-        mods = [on_dev(m, [])[0].to(dtype) for m in modules]
+        mods = [on_dev(m, [])[0].to(dev, dtype) for m in modules]
         with monkeypatch.context() as m:
             if not marked:
                 m.setattr(attnres, "with_gradient_sink", lambda source: source)
