@@ -185,6 +185,9 @@ def test_partial_sums_take_the_gradient_the_add_lends(small_tiles, monkeypatch, 
     addends.clear()
     plain = grads(DEV, torch.float32, marked=False)
     for n, (a, b, c) in enumerate(zip(got, want, plain)):
+        if not b.any():  # the first sublayer's query: a softmax over one source has no gradient
+            assert a.abs().max() < 1e-6 and c.abs().max() < 1e-6, n
+            continue
         assert rel(a, b) < 1e-5 and rel(a, c) < 1e-6, n
     assert len(seen) == 3 and all(torch.equal(grad, copy) for grad, copy in seen)
     # backward order: the last read (no add after it), sublayers 2 and 1 (their partial sum holds the add's lent
