@@ -332,6 +332,27 @@ def test_short_conv_reads_a_column_slice_in_place(small_tiles, B, T, lengths):
 
 
 @kernel_test
+@pytest.mark.parametrize("B,T,lengths", [(2, 13, None), (1, 17, [1, 2, 3, 1, 10])])
+@pytest.mark.parametrize("C", [96, 72])
+def test_short_conv_split_thirds_are_bit_identical(small_tiles, B, T, lengths, C):
+    """``conv_silu_fwd(..., split=True)`` writes the thirds of C (the KDA layer's q | k | v) as three contiguous
+    tensors and ``conv_silu_bwd`` takes the gradient as three: the same bits as one ``[B, T, C]`` tensor each way,
+    with each channel tile inside one third (C = 96, tiles of 16: the kernels write and read the three tensors) and
+    thirds that tiles straddle (C = 72: the launchers split or join one tensor)."""
+    cu = cu_of(lengths) if lengths is not None else None
+    wide = torch.randn(B, T, C + 5).to(DEV)
+    x, w = wide[..., 2:C + 2], (torch.randn(C, W_CONV) * 0.7).to(DEV)
+    dy = torch.randn(B, T, C).to(DEV)
+    whole = short_conv.conv_silu_fwd(x, w, cu, None)
+    parts = short_conv.conv_silu_fwd(x, w, cu, None, split=True)
+    assert all(p.is_contiguous() and p.shape == (B, T, C // 3) for p in parts)
+    assert torch.equal(torch.cat(parts, -1), whole)
+    split_grads = short_conv.conv_silu_bwd(x, w, cu, None, list(dy.split(C // 3, -1)))
+    for a, b in zip(split_grads, short_conv.conv_silu_bwd(x, w, cu, None, dy)):
+        assert torch.equal(a, b)
+
+
+@kernel_test
 @pytest.mark.parametrize("T", [1, 2, 9])
 def test_short_conv_kernels_with_decoding_context_match_float64(small_tiles, T):
     """Plain rows continued from the cache: context ``[B, W-1, C]`` read in place from the ``[B, C, W]`` state; the
@@ -370,21 +391,22 @@ short_conv.{kernel} = Record()
 x = torch.zeros(2, 64, 3 * 1024 + 64, dtype=torch.bfloat16)[..., :3 * 1024]  # the q | k | v columns
 w = torch.zeros(3 * 1024, 4, dtype=torch.bfloat16)
 for cu in (None, torch.tensor([0, 5, 128], dtype=torch.int32)):
-    for channels_first in (False, True):
+    for channels_first, split in ((False, False), (True, False), (False, True)):
         for role in ("fwd", "dpre", "dx"):
             short_conv.LAUNCH[role] = dict(short_conv.LAUNCH[role], channels_first=channels_first)
         if kernel.fn.__name__ == "_conv_fwd_kernel":
-            short_conv.conv_silu_fwd(x, w, cu, None)
+            short_conv.conv_silu_fwd(x, w, cu, None, split=split)
         else:
-            short_conv.conv_silu_bwd(x, w, cu, None, torch.zeros(x.shape, dtype=x.dtype))
+            dy = torch.zeros(x.shape, dtype=x.dtype)
+            short_conv.conv_silu_bwd(x, w, cu, None, list(dy.split(1024, -1)) if split else dy)
 """
 
 
 def test_short_conv_kernels_compile_for_sm90():
     """The convolution's kernels compile to cubins for an H100/H200 (sm_90) as the GPU launches them at the default
-    tiles (bf16, a column slice of a wider projection, plain rows and packed documents, both program orders), which
-    the interpreter does not check. No GPU needed, in a process without the interpreter."""
-    check_compiles_for_sm90(CONV_SM90_LAUNCHES, expected=4,
+    tiles (bf16, a column slice of a wider projection, plain rows and packed documents, both program orders, q | k |
+    v apart), which the interpreter does not check. No GPU needed, in a process without the interpreter."""
+    check_compiles_for_sm90(CONV_SM90_LAUNCHES, expected=6,
                             kernels=("_conv_fwd_kernel", "_conv_dpre_kernel", "_conv_dx_kernel"))
 
 

@@ -4,7 +4,9 @@ projection, q / k L2 norm, chunked KDA with the gate in the kernel (imported onl
 Composed of the separate ops, the backward keeps the conv input (for the conv's backward) and also the normalised
 q, k and v (for the chunk kernels' backward): two copies of the three projections. This function keeps the conv
 input only and recomputes the conv and the L2 norm in its backward (bit-identical: the same kernels on the same
-inputs), three ``[B, T, H·K]`` tensors fewer a layer for one conv and two L2-norm forwards more.
+inputs), three ``[B, T, H·K]`` tensors fewer a layer for one conv and two L2-norm forwards more. The conv writes q,
+k and v as three tensors and its backward reads their gradients as three, so neither pass copies a third out of or
+into a ``[B, T, 3·H·K]`` tensor.
 """
 
 import torch
@@ -18,12 +20,12 @@ from .short_conv import _check_conv, _on_device, _rows, conv_silu_bwd, conv_silu
 def _conv_q_k_v(x, weight, cu_seqlens_device, num_heads, flat):
     """The conv output split into normalised q, k and v ``[B, T, H, K]`` (``[1, B·T, H, K]`` when ``flat``), and the
     L2 norms' rstd."""
-    mixed = conv_silu_fwd(x, weight, cu_seqlens_device, None)
-    B, T, C = mixed.shape
+    B, T, C = x.shape
     shape = (1, B * T) if flat else (B, T)
-    q, k, v = (t.view(*shape, num_heads, C // (3 * num_heads)) for t in mixed.split(C // 3, dim=-1))
+    parts = conv_silu_fwd(x, weight, cu_seqlens_device, None, split=True)  # q | k | v apart, each [B, T, H·K]
+    q, k, v = (t.view(*shape, num_heads, C // (3 * num_heads)) for t in parts)
     (qn, rq), (kn, rk) = l2norm_fwd(q, L2NORM_EPS), l2norm_fwd(k, L2NORM_EPS)
-    return qn, kn, v.contiguous(), rq, rk
+    return qn, kn, v, rq, rk
 
 
 class _ConvChunkKDAFn(torch.autograd.Function):
@@ -47,8 +49,8 @@ class _ConvChunkKDAFn(torch.autograd.Function):
         dq, dk, dv, dg, db, dA_log, ddt_bias, _ = kda_backward(q, k, v, g, beta, A_log, dt_bias, None, ctx.kc, kept,
                                                                do, dht)
         dq, dk = l2norm_bwd(q, rq, dq), l2norm_bwd(k, rk, dk)
-        dmixed = torch.cat([t.reshape(*x.shape[:2], -1) for t in (dq, dk, dv)], dim=-1)  # [B, T, 3·H·K]
-        dx, dweight = conv_silu_bwd(x, weight, cu_seqlens_device, None, dmixed)
+        dx, dweight = conv_silu_bwd(x, weight, cu_seqlens_device, None,
+                                    [t.reshape(*x.shape[:2], -1) for t in (dq, dk, dv)])
         return dx, dweight, dg, db, dA_log, ddt_bias, None, None, None, None, None, None, None
 
 

@@ -147,15 +147,25 @@ if triton is not None:
         return acc
 
     @triton.jit
+    def _third(t, cb, d, C, BD: tl.constexpr):
+        """``(part, offsets)`` of channel block cb (inside one third of C: the launcher checks that BD divides C/3)
+        in three ``[L, C/3]`` tensors (q | k | v kept apart): its part (0, 1, 2) and the offsets of tokens t,
+        channels d within that part's tensor ``[BT, BD]``."""
+        third = C // 3
+        part = (cb * BD) // third
+        return part, t[:, None] * third + (d - part * third)[None, :]
+
+    @triton.jit
     def _ctx_base(bos, T, s_cb, s_cj, W: tl.constexpr):
         """Offset such that ``_ctx_base + src · s_cj`` addresses context row ``W − 1 + src − bos`` of the batch row
         starting at bos (plain rows): one int64 division per tile, not one per tap."""
         return (bos // T) * s_cb + (W - 1 - bos) * s_cj
 
     @triton.jit
-    def _conv_fwd_kernel(x, w, ctx, cu, y, L, T, C, SX, n_docs, n_steps, s_cb, s_cj, s_cc, n_tblocks, n_cblocks,
-                         W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr,
-                         VARLEN: tl.constexpr, HAS_CTX: tl.constexpr, CHANNELS_FIRST: tl.constexpr):
+    def _conv_fwd_kernel(x, w, ctx, cu, y, y1, y2, L, T, C, SX, n_docs, n_steps, s_cb, s_cj, s_cc, n_tblocks,
+                         n_cblocks, W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, VARLEN: tl.constexpr,
+                         HAS_CTX: tl.constexpr, CHANNELS_FIRST: tl.constexpr, SPLIT: tl.constexpr):
+        """``silu(pre)`` of a tile into y ``[L, C]``, or with SPLIT into y, y1, y2 ``[L, C/3]`` by thirds of C."""
         tb, cb = _tile(tl.program_id(0), n_tblocks, n_cblocks, CHANNELS_FIRST)
         t = (tb * BT + tl.arange(0, BT)).to(tl.int64)
         d = cb * BD + tl.arange(0, BD)
@@ -163,16 +173,28 @@ if triton is not None:
         bos, _ = _doc_bounds(t, cu, n_docs, n_steps, T, VARLEN)
         cbase = _ctx_base(bos, T, s_cb, s_cj, W) if HAS_CTX else bos
         pre = _conv_pre(x, w, ctx, t, bos, cbase, m_t, d, m_d, SX, s_cj, s_cc, W, HAS_CTX)
-        tl.store(y + t[:, None] * C + d[None, :], (pre * tl.sigmoid(pre)).to(y.dtype.element_ty),
-                 mask=m_t[:, None] & m_d[None, :])
+        out = (pre * tl.sigmoid(pre)).to(y.dtype.element_ty)
+        mask = m_t[:, None] & m_d[None, :]
+        if SPLIT:
+            part, offs = _third(t, cb, d, C, BD)
+            if part == 0:
+                tl.store(y + offs, out, mask=mask)
+            elif part == 1:
+                tl.store(y1 + offs, out, mask=mask)
+            else:
+                tl.store(y2 + offs, out, mask=mask)
+        else:
+            tl.store(y + t[:, None] * C + d[None, :], out, mask=mask)
 
     @triton.jit
-    def _conv_dpre_kernel(x, w, ctx, cu, dy, dpre, dw, L, T, C, SX, n_docs, n_steps, n_blocks, s_cb, s_cj, s_cc,
-                          n_programs, n_cblocks, W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr,
-                          BD: tl.constexpr, VARLEN: tl.constexpr, HAS_CTX: tl.constexpr, CHANNELS_FIRST: tl.constexpr):
+    def _conv_dpre_kernel(x, w, ctx, cu, dy, dy1, dy2, dpre, dw, L, T, C, SX, n_docs, n_steps, n_blocks, s_cb, s_cj,
+                          s_cc, n_programs, n_cblocks, W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr,
+                          BD: tl.constexpr, VARLEN: tl.constexpr, HAS_CTX: tl.constexpr, CHANNELS_FIRST: tl.constexpr,
+                          SPLIT: tl.constexpr):
         """Persistent over token blocks pid, pid + P, ...: ``dpre = dy · silu'(pre)`` of the block (pre recomputed
         from its W shifted input tiles) into ``dpre``, and this program's weight-gradient partial sums
-        ``Σ_t dpre[t] · x[t − (W−1−tap)]`` into ``dw[pid, tap, channel]`` (``[P, W, C]``)."""
+        ``Σ_t dpre[t] · x[t − (W−1−tap)]`` into ``dw[pid, tap, channel]`` (``[P, W, C]``). dy is ``[L, C]``, or
+        with SPLIT dy, dy1, dy2 ``[L, C/3]`` by thirds of C."""
         pid, cb = _tile(tl.program_id(0), n_programs, n_cblocks, CHANNELS_FIRST)
         d = cb * BD + tl.arange(0, BD)
         m_d = d < C
@@ -186,7 +208,16 @@ if triton is not None:
             cbase = _ctx_base(bos, T, s_cb, s_cj, W) if HAS_CTX else bos
             pre = _conv_pre(x, w, ctx, t, bos, cbase, m_t, d, m_d, SX, s_cj, s_cc, W, HAS_CTX)
             sig = tl.sigmoid(pre)
-            g = tl.load(dy + t[:, None] * C + d[None, :], mask=m_x, other=0.0).to(tl.float32)
+            if SPLIT:
+                part, offs = _third(t, cb, d, C, BD)
+                if part == 0:
+                    g = tl.load(dy + offs, mask=m_x, other=0.0).to(tl.float32)
+                elif part == 1:
+                    g = tl.load(dy1 + offs, mask=m_x, other=0.0).to(tl.float32)
+                else:
+                    g = tl.load(dy2 + offs, mask=m_x, other=0.0).to(tl.float32)
+            else:
+                g = tl.load(dy + t[:, None] * C + d[None, :], mask=m_x, other=0.0).to(tl.float32)
             dp = g * sig * (1.0 + pre * (1.0 - sig))
             tl.store(dpre + t[:, None] * C + d[None, :], dp.to(dpre.dtype.element_ty), mask=m_x)
             for tap in tl.static_range(W):  # the tile's inputs again (from L1 / L2): tap reads x[t − (W−1−tap)]
@@ -257,29 +288,42 @@ def _doc_args(x, cu_seqlens):
     return cu_seqlens, n_docs, n_docs.bit_length()
 
 
-def conv_silu_fwd(x, weight, cu_seqlens, context):
-    """The Triton forward: ``silu(conv(x))`` ``[B, T, C]`` (x as ``_rows`` reads it, weight contiguous)."""
+def conv_silu_fwd(x, weight, cu_seqlens, context, split=False):
+    """The Triton forward: ``silu(conv(x))`` ``[B, T, C]`` (x as ``_rows`` reads it, weight contiguous); with
+    ``split`` its thirds along C as three contiguous ``[B, T, C/3]`` tensors (the KDA layer's q, k, v: no copy to
+    make one of them contiguous)."""
     batch, seq_len, channels = x.shape
+    if split and (channels // 3) % LAUNCH["fwd"]["BD"]:  # a tile would straddle two thirds
+        return tuple(t.contiguous() for t in conv_silu_fwd(x, weight, cu_seqlens, context).split(channels // 3, -1))
     width = weight.shape[1]
-    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    if split:
+        ys = [torch.empty(batch, seq_len, channels // 3, dtype=dtype, device=x.device) for _ in range(3)]
+    else:
+        ys = [torch.empty(x.shape, dtype=dtype, device=x.device)] * 3
     n_tokens = batch * seq_len
     cfg = LAUNCH["fwd"]
     cu, n_docs, n_steps = _doc_args(x, cu_seqlens)
     n_tblocks, n_cblocks = triton.cdiv(n_tokens, cfg["BT"]), triton.cdiv(channels, cfg["BD"])
     if n_tokens and channels:
         _conv_fwd_kernel[(n_tblocks * n_cblocks,)](
-            x, weight, x if context is None else context, cu, y, n_tokens, seq_len, channels, x.stride(1), n_docs,
+            x, weight, x if context is None else context, cu, *ys, n_tokens, seq_len, channels, x.stride(1), n_docs,
             n_steps, *(context.stride() if context is not None else (0, 0, 0)), n_tblocks, n_cblocks, W=width,
             BT=cfg["BT"], BD=cfg["BD"], VARLEN=cu_seqlens is not None, HAS_CTX=context is not None,
-            CHANNELS_FIRST=cfg["channels_first"], num_warps=cfg["num_warps"])
-    return y
+            CHANNELS_FIRST=cfg["channels_first"], SPLIT=split, num_warps=cfg["num_warps"])
+    return tuple(ys) if split else ys[0]
 
 
 def conv_silu_bwd(x, weight, cu_seqlens, context, dy):
-    """The Triton backward: ``(dx, dweight)`` from the forward's inputs and ``dy`` (the pre-activation recomputed)."""
+    """The Triton backward: ``(dx, dweight)`` from the forward's inputs and ``dy`` ``[B, T, C]``, or its thirds along
+    C as three ``[B, T, C/3]`` tensors (as ``conv_silu_fwd(..., split=True)`` returns them), the pre-activation
+    recomputed."""
     batch, seq_len, channels = x.shape
     width = weight.shape[1]
-    dy = dy.contiguous()
+    split = isinstance(dy, (tuple, list))
+    if split and (channels // 3) % LAUNCH["dpre"]["BD"]:  # a tile would straddle two thirds
+        dy, split = torch.cat(list(dy), dim=-1), False
+    dys = [t.contiguous() for t in dy] if split else [dy.contiguous()] * 3
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dpre = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # the pre-activation's gradient, in x's dtype
     n_tokens = batch * seq_len
@@ -290,11 +334,11 @@ def conv_silu_bwd(x, weight, cu_seqlens, context, dy):
     cu, n_docs, n_steps = _doc_args(x, cu_seqlens)
     if channels:
         _conv_dpre_kernel[(programs * n_cblocks,)](
-            x, weight, x if context is None else context, cu, dy, dpre, dw, n_tokens, seq_len, channels,
+            x, weight, x if context is None else context, cu, *dys, dpre, dw, n_tokens, seq_len, channels,
             x.stride(1), n_docs, n_steps, n_blocks, *(context.stride() if context is not None else (0, 0, 0)),
             programs, n_cblocks, W=width, WP=triton.next_power_of_2(width), BT=cfg["BT"], BD=cfg["BD"],
             VARLEN=cu_seqlens is not None, HAS_CTX=context is not None, CHANNELS_FIRST=cfg["channels_first"],
-            num_warps=cfg["num_warps"])
+            SPLIT=split, num_warps=cfg["num_warps"])
     n_tblocks, n_cblocks = triton.cdiv(n_tokens, cfg_dx["BT"]), triton.cdiv(channels, cfg_dx["BD"])
     if n_tokens and channels:
         _conv_dx_kernel[(n_tblocks * n_cblocks,)](
