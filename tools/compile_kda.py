@@ -176,12 +176,12 @@ def main():
                     continue
             replaced.append((module, name, value))
             setattr(module, name, stand_in)
-    q, k = (torch.nn.functional.normalize(torch.randn(1, T, H, D), dim=-1).to(dtype) for _ in range(2))
+    q, k = (torch.randn(1, T, H, D, dtype=dtype) for _ in range(2))  # raw: the L2 norm in the kernels, as the model
     v, g = torch.randn(1, T, H, D, dtype=dtype), torch.randn(1, T, H, D, dtype=dtype)
     beta = torch.rand(1, T, H, dtype=dtype)
     leaves = [x.requires_grad_() for x in (q, k, v, g, beta)]
-    o, _ = kda_chunk.chunk_kda_triton(*leaves, use_gate_in_kernel=True, A_log=torch.zeros(H),
-                                      dt_bias=torch.zeros(H * D), gate=args.gate)
+    o, _ = kda_chunk.chunk_kda_triton(*leaves, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                      A_log=torch.zeros(H), dt_bias=torch.zeros(H * D), gate=args.gate)
     o.backward(torch.randn_like(o))
     for module, name, value in replaced:
         setattr(module, name, value)

@@ -10,8 +10,7 @@ import torch
 
 from .kda_chunk_bwd import chunk_bwd
 from .kda_chunk_fwd import GateArgs, chunk_fwd, kept_states
-from .fused_norm import l2norm as fused_l2norm
-from .kda_common import GATES, L2NORM_EPS, check_inputs
+from .kda_common import GATES, check_inputs
 from .kda_launch import SLAB_MIN_TOKEN_HEADS, chunk_tables, slab_ranges
 
 MAX_HEAD_DIM = 256
@@ -28,9 +27,11 @@ class KDAContext:
         self.tables, self.slabs, self.scale, self.safe, self.mode, self.lb = tables, slabs, scale, safe, mode, lb
 
 
-def kda_forward(q, k, v, g, beta, A_log, dt_bias, scale, h0, output_final_state, cu_seqlens, safe, mode, lb, grad):
+def kda_forward(q, k, v, g, beta, A_log, dt_bias, scale, h0, output_final_state, cu_seqlens, safe, mode, lb, grad,
+                norm):
     """The Triton forward on ``[B, T, H, *]`` inputs: ``(o [B, T, H, V], final state or None, KDAContext, kept)``,
-    kept = the tensors the backward takes besides the inputs (A_qk, T, the per-chunk states or None; all None
+    kept = the tensors the backward takes besides the inputs (A_qk, T, the per-chunk states or None, and with
+    ``norm`` (q, k L2-normalised inside the kernels) the rows' norm factors rq, rk ``[B*T, H]`` fp32; all None
     without grad)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -38,12 +39,12 @@ def kda_forward(q, k, v, g, beta, A_log, dt_bias, scale, h0, output_final_state,
     slabs = slab_ranges(B, T, H, q.device, SLAB_MIN_TOKEN_HEADS["forward"]) if cu_seqlens is None else None
     h0c = None if h0 is None else h0.contiguous()
     fw = chunk_fwd(flatten_rows(q, k, v, g, beta), gate_args(mode, A_log, dt_bias, lb, H, K, q.device), scale, h0c,
-                   tables, safe, output_final_state, keep_tinv=grad, slabs=slabs)
+                   tables, safe, output_final_state, keep_tinv=grad, slabs=slabs, norm=norm)
     # A_qk and T (bf16 with bf16 inputs), [B*T, H, 64] each, are kept for the backward: it skips the intra and
     # solve kernels; and the per-chunk states (16-bit with 16-bit inputs, [chunks, H, K, V]: 512 B per token and
     # head at K = V = 128) when they fit (`kept_states`): it skips the chunk loop too. Γ (fp32, 512 B per token and
     # head) is not: the gate kernel runs again, cheaper than the loop
-    kept = (fw.aqk, fw.tinv, kept_states(fw.hs)) if grad else (None, None, None)
+    kept = (fw.aqk, fw.tinv, kept_states(fw.hs), fw.rq, fw.rk) if grad else (None,) * 5
     bwd_slabs = slab_ranges(B, T, H, q.device, SLAB_MIN_TOKEN_HEADS["backward"]) if cu_seqlens is None else None
     return fw.o.reshape(B, T, H, V), fw.ht, KDAContext(tables, bwd_slabs, scale, safe, mode, lb), kept
 
@@ -73,9 +74,9 @@ def kda_backward(q, k, v, g, beta, A_log, dt_bias, h0, kc: KDAContext, kept, do,
 class _ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, A_log, dt_bias, scale, h0, output_final_state, cu_seqlens, safe, mode, lb,
-                grad):
+                grad, norm):
         o, ht, kc, kept = kda_forward(q, k, v, g, beta, A_log, dt_bias, scale, h0, output_final_state, cu_seqlens,
-                                      safe, mode, lb, grad)
+                                      safe, mode, lb, grad, norm)
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, *kept)
         ctx.kc = kc
         return o, ht
@@ -85,7 +86,7 @@ class _ChunkKDAFunction(torch.autograd.Function):
         q, k, v, g, beta, A_log, dt_bias, h0, *kept = ctx.saved_tensors
         dq, dk, dv, dg, db, dA_log, ddt_bias, dh0 = kda_backward(q, k, v, g, beta, A_log, dt_bias, h0, ctx.kc, kept,
                                                                  do, dht)
-        return dq, dk, dv, dg, db, dA_log, ddt_bias, None, dh0, None, None, None, None, None, None
+        return dq, dk, dv, dg, db, dA_log, ddt_bias, None, dh0, None, None, None, None, None, None, None
 
 
 def gate_args(mode, A_log, dt_bias, lb, H, K, device):
@@ -110,12 +111,6 @@ def check_triton_inputs(q, k, v, g, beta, initial_state, cu_seqlens, gate):
                          f"chunk x head offsets), got B*T*H = {B}*{T}*{H} = {B * T * H}")
     if gate not in GATES:
         raise ValueError(f"gate must be one of {GATES}, got {gate!r}")
-
-
-def qk_l2norm(q, k):
-    """q/k L2 norm over the head dim in fp32, back in the input dtype; autograd-differentiable (one fused kernel
-    each way per tensor on a GPU, ``fused_norm.l2norm``)."""
-    return fused_l2norm(q, L2NORM_EPS), fused_l2norm(k, L2NORM_EPS)
 
 
 def flatten_rows(q, k, v, g, beta):
@@ -151,8 +146,6 @@ def chunk_kda_triton(q, k, v, g, beta, scale=None, initial_state=None, output_fi
         ``(o [B, T, H, V] in q's dtype, final_state [N, H, K, V] fp32 or None)``.
     """
     check_triton_inputs(q, k, v, g, beta, initial_state, cu_seqlens, gate)
-    if use_qk_l2norm_in_kernel:
-        q, k = qk_l2norm(q, k)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     safe = _safe_path(gate, lower_bound)
     mode, lb = 0, 0.0
@@ -164,4 +157,4 @@ def chunk_kda_triton(q, k, v, g, beta, scale=None, initial_state=None, output_fi
     grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, k, v, g, beta, A_log, dt_bias, initial_state))
     return _ChunkKDAFunction.apply(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
-                                   cu_seqlens, safe, mode, lb, grad)
+                                   cu_seqlens, safe, mode, lb, grad, use_qk_l2norm_in_kernel)

@@ -121,11 +121,13 @@ def backward_chunks(tables, x, gate, scale, safe, fw, do, grads):
                            db32, dgc, cstart, cend, scale, H, K, V, BK, BV, LPS=low,
                            **LAUNCH["bwd_v_lp" if low else "bwd_v"])
     xpre = torch.empty(NC, H, 3, K, **f32)
-    _bwd_da_kernel[(NC, H)](k, beta, fw.gam, fw.tinv, dw, dkd, da, xpre, cstart, cend, H, K, BK,
-                            min(BK, SLICE["bwd_da_k"]), FTZ=lp(q), LPS=low, **LAUNCH["bwd_da"])
+    rq, rk, norm = fw.norm_args()
+    _bwd_da_kernel[(NC, H)](k, beta, fw.gam, fw.tinv, dw, dkd, da, xpre, rk, cstart, cend, H, K, BK,
+                            min(BK, SLICE["bwd_da_k"]), FTZ=lp(q), LPS=low, NORM=norm, **LAUNCH["bwd_da"])
     _bwd_intra_kernel[(NC * 4, H)](q, k, beta, fw.gam, dqg, dkd, dw, dp, da, dgc, xpre, dgam, dge, db32, grads.dq,
-                                  grads.dk, grads.db, cstart, cend, scale, H, K, BK, min(BK, SLICE["bwd_intra_k"]),
-                                  SAFE=safe, FTZ=lp(q), **LAUNCH["bwd_intra"])
+                                  grads.dk, grads.db, rq, rk, cstart, cend, scale, H, K, BK,
+                                  BK if norm else min(BK, SLICE["bwd_intra_k"]), SAFE=safe, FTZ=lp(q), NORM=norm,
+                                  **LAUNCH["bwd_intra"])
     da_part, ddtb_part = (grads.da_part, grads.ddtb_part) if gate.mode else (grads.dg, grads.dg)
     _bwd_dg_kernel[(NC, H)](dgam, dge, g, gate.a, gate.dt_bias, grads.dg, da_part, ddtb_part, cstart, cend,
                             gate.lower_bound, H, K, BK, GATE=gate.mode, **LAUNCH["bwd_dg"])

@@ -7,7 +7,8 @@ Per chunk of 64 tokens entering with state ``S0`` (``Γ`` = within-chunk cumsum 
     O      = scale (Q e^Γ) S0 + P U,            P[i, j] = scale Σ_c q_ic k_jc exp(Γ_ic − Γ_jc)   (j <= i)
     S_next = e^{Γ_C} S0 + (K e^{Γ_C − Γ})ᵀ U
 
-Kernels, in order: ``_gate_cumsum_kernel`` (fused gate, Γ), ``_intra_kernel`` (A_qk and T), ``_wu_kernel`` (W,
+Kernels, in order: ``_gate_cumsum_kernel`` (fused gate, Γ), ``_qk_rstd_kernel`` (with the L2 norm inside: the
+rows' factors), ``_intra_kernel`` (A_qk and T), ``_wu_kernel`` (W,
 U0 and the loop's operands), ``_fwd_state_kernel`` (the sequential chunk loop, per sequence, head and V block)
 and ``_fwd_o_kernel`` (O per chunk, in parallel, from the stored states, Q and Γ).
 """
@@ -17,7 +18,7 @@ import dataclasses
 import torch
 import triton
 
-from .kda_chunk_intra import _intra_kernel
+from .kda_chunk_intra import _intra_kernel, _qk_rstd_kernel
 from .kda_chunk_o import _fwd_o_kernel
 from .kda_chunk_state import _fwd_state_kernel
 from .kda_common import CHUNK_SIZE
@@ -63,6 +64,8 @@ class ChunkBuffers:
     hs: torch.Tensor | None = None  # [NC, H, K, V] the state entering each chunk (16-bit)
     o: torch.Tensor | None = None  # [TT, H, V] the output, in the inputs' dtype
     ht: torch.Tensor | None = None  # [N, H, K, V] final states fp32
+    rq: torch.Tensor | None = None  # [TT, H] fp32 the L2-norm factors of q's rows (None: q, k are taken as given)
+    rk: torch.Tensor | None = None  # [TT, H] fp32 ... and of k's rows
 
     def view(self, rows, chunks):
         """The buffers of token rows ``rows`` and chunks ``chunks`` (views; no final states)."""
@@ -71,7 +74,13 @@ class ChunkBuffers:
         return ChunkBuffers(aqk=cut(self.aqk, rows), tinv=cut(self.tinv, rows), w=cut(self.w, rows),
                             kd=cut(self.kd, rows), u=cut(self.u, rows), qg=cut(self.qg, rows),
                             dl=cut(self.dl, chunks), gam=cut(self.gam, rows), hs=cut(self.hs, chunks),
-                            o=cut(self.o, rows))
+                            o=cut(self.o, rows), rq=cut(self.rq, rows), rk=cut(self.rk, rows))
+
+    def norm_args(self):
+        """The kernels' L2-norm arguments: ``(rq, rk, NORM)`` (a dummy pointer where there is no norm)."""
+        if self.rq is None:
+            return self.dl, self.dl, False
+        return self.rq, self.rk, True
 
 
 def kept_states(hs):
@@ -82,8 +91,9 @@ def kept_states(hs):
 
 def prepare_chunks(x, gate, scale, safe, tables, buf, hs_kept, intra):
     """The parallel kernels before the chunk loop over the chunks of ``tables``: Γ into ``buf.gam``; with ``intra``
-    A_qk and T (else given: the backward); then W, U0 (U from the per-chunk states ``hs_kept`` unless None), K
-    e^{Γ_C − Γ}, e^{Γ_C} and scale Q e^Γ (into ``buf.qg`` unless None). ``x = (q, k, v, g, β)`` as ``[TT, H, *]``."""
+    A_qk and T (else given: the backward) and, where ``buf.rq`` is not None, the L2-norm factors of q's and k's rows
+    into ``buf.rq``, ``buf.rk``; then W, U0 (U from the per-chunk states ``hs_kept`` unless None), K e^{Γ_C − Γ},
+    e^{Γ_C} and scale Q e^Γ (into ``buf.qg`` unless None). ``x = (q, k, v, g, β)`` as ``[TT, H, *]``."""
     q, k, v, g, beta = x
     TT, H, K = q.shape
     V = v.shape[-1]
@@ -95,13 +105,17 @@ def prepare_chunks(x, gate, scale, safe, tables, buf, hs_kept, intra):
     _gate_cumsum_kernel[(NC, H, triton.cdiv(K, BKg))](g, gate.a, gate.dt_bias, buf.gam, tables.cstart, tables.cend,
                                                       gate.lower_bound, H, K, BKg, GATE=gate.mode,
                                                       **LAUNCH["gate_cumsum"])
+    rq, rk, norm = buf.norm_args()
     if intra:
-        _intra_kernel[(NC, H)](q, k, buf.gam, beta, buf.aqk, buf.tinv, tables.cstart, tables.cend, scale, H, K,
-                               min(BK, SLICE["intra_k"]), SAFE=safe, FTZ=lp(q), **LAUNCH["intra"])
+        if norm:
+            _qk_rstd_kernel[(NC, H)](q, k, rq, rk, tables.cstart, tables.cend, H, K, min(BK, SLICE["norm_k"]),
+                                     **LAUNCH["qk_rstd"])
+        _intra_kernel[(NC, H)](q, k, buf.gam, beta, buf.aqk, buf.tinv, rq, rk, tables.cstart, tables.cend, scale, H,
+                               K, min(BK, SLICE["intra_k"]), SAFE=safe, FTZ=lp(q), NORM=norm, **LAUNCH["intra"])
     _wu_kernel[(NC, H)](q, k, v, beta, buf.gam, buf.tinv, buf.w, buf.u, buf.qg if buf.qg is not None else buf.w,
-                        buf.kd, buf.dl, hs_kept if hs_kept is not None else buf.dl, tables.cstart, tables.cend, scale,
-                        H, K, V, min(BK, SLICE["wu_k"]), min(BVf, SLICE["wu_v"]), STORE_QG=buf.qg is not None,
-                        U_FROM_STATES=hs_kept is not None, LP=lp(q), FTZ=lp(q), **LAUNCH["wu"])
+                        buf.kd, buf.dl, hs_kept if hs_kept is not None else buf.dl, rq, rk, tables.cstart, tables.cend,
+                        scale, H, K, V, min(BK, SLICE["wu_k"]), min(BVf, SLICE["wu_v"]), STORE_QG=buf.qg is not None,
+                        U_FROM_STATES=hs_kept is not None, LP=lp(q), FTZ=lp(q), NORM=norm, **LAUNCH["wu"])
 
 
 def state_loop(tables, q, buf, h0, ht, scale):
@@ -126,11 +140,13 @@ def state_loop(tables, q, buf, h0, ht, scale):
     stages3 = hs is not None and BK * w.element_size() <= 256
     BVl = fwd_loop_bv(BV, N, H, V, stages3, q.device)
     dummy = buf.dl
+    rq, _, norm = buf.norm_args()
     _fwd_state_kernel[(triton.cdiv(V, BVl) * N, H)](
         q, buf.gam if hs is None else dummy, buf.aqk, buf.o if buf.o is not None else dummy, buf.kd, buf.dl, w, buf.u,
-        h0 if h0 is not None else dummy, ht if ht is not None else dummy, hs if hs is not None else dummy, tables.cu,
-        tables.coff, scale, H, K, V, BK, BVl, HAS_H0=h0 is not None, STORE_HT=ht is not None, STORE_H=hs is not None,
-        WRITE_O=hs is None, LP=lp(q), num_stages=3 if stages3 else 2 if BK <= 128 else 1,
+        h0 if h0 is not None else dummy, ht if ht is not None else dummy, hs if hs is not None else dummy, rq,
+        tables.cu, tables.coff, scale, H, K, V, BK, BVl, HAS_H0=h0 is not None, STORE_HT=ht is not None,
+        STORE_H=hs is not None, WRITE_O=hs is None, LP=lp(q), NORM=norm,
+        num_stages=3 if stages3 else 2 if BK <= 128 else 1,
         **LAUNCH["fwd_state" if hs is not None else "fwd_state_o"])
 
 
@@ -141,13 +157,15 @@ def output_chunks(tables, q, buf, scale):
     V = buf.o.shape[-1]
     BK, BVf, _ = launch_cfg(K, V)
     BVo = min(BVf, 128)
+    rq, _, norm = buf.norm_args()
     if NC > 0:
-        _fwd_o_kernel[(NC * triton.cdiv(V, BVo), H)](q, buf.gam, buf.aqk, buf.hs, buf.u, buf.o, tables.cstart,
+        _fwd_o_kernel[(NC * triton.cdiv(V, BVo), H)](q, buf.gam, buf.aqk, buf.hs, buf.u, buf.o, rq, tables.cstart,
                                                    tables.cend, scale, H, K, V, min(BK, SLICE["o_k"]), BVo, FTZ=lp(q),
-                                                   LP=lp(q), **LAUNCH["fwd_o"])
+                                                   LP=lp(q), NORM=norm, **LAUNCH["fwd_o"])
 
 
-def chunk_fwd(x, gate, scale, h0, tables, safe, output_final_state, *, keep_tinv=False, saved=None, slabs=None):
+def chunk_fwd(x, gate, scale, h0, tables, safe, output_final_state, *, keep_tinv=False, saved=None, slabs=None,
+              norm=False):
     """The forward kernels on flat inputs ``x = (q, k, v, g, β)``, each ``[TT, H, *]``; returns the ChunkBuffers.
 
     Args:
@@ -155,10 +173,12 @@ def chunk_fwd(x, gate, scale, h0, tables, safe, output_final_state, *, keep_tinv
         safe: the pairwise path of the diagonal sub-blocks (any gate) instead of the dense one (``g >= -5``).
         keep_tinv: also return T (the autograd forward keeps it for the backward).
         saved: None for the output's forward. The backward's recomputation passes ``(A_qk, T, per-chunk states or
-            None)`` kept by the autograd forward: it skips the intra and solve kernels, and with the states the
-            chunk loop too (``_wu_kernel`` then computes U from them); it returns Γ, U in fp32, scale Q e^Γ and the
-            states, and no output.
+            None, rq, rk)`` kept by the autograd forward: it skips the intra and solve kernels, and with the states
+            the chunk loop too (``_wu_kernel`` then computes U from them); it returns Γ, U in fp32, scale Q e^Γ and
+            the states, and no output.
         slabs: token ranges of a single sequence (``kda_launch.slab_ranges``) or None.
+        norm: q and k are L2-normalised inside the kernels (``buf.rq``, ``buf.rk``: their rows' factors, from the
+            intra kernel); the recomputation takes them from ``saved`` (None there: no norm).
     """
     q = x[0]
     TT, H, K = q.shape
@@ -167,7 +187,9 @@ def chunk_fwd(x, gate, scale, h0, tables, safe, output_final_state, *, keep_tinv
     recompute = saved is not None
     keep_tinv = keep_tinv or recompute
     f32 = dict(device=q.device, dtype=torch.float32)
-    aqk, tinv, hs_kept = saved if recompute else (None, None, None)
+    aqk, tinv, hs_kept, rq, rk = saved if recompute else (None, None, None, None, None)
+    if norm and not recompute:
+        rq, rk = (torch.empty(TT, H, **f32) for _ in range(2))
     # T and A_qk in bf16 with bf16 inputs: half their bytes in the kernels that read them and kept for the backward;
     # every dot reading them widens them to fp32
     t16 = dict(device=q.device, dtype=torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32)
@@ -180,7 +202,7 @@ def chunk_fwd(x, gate, scale, h0, tables, safe, output_final_state, *, keep_tinv
     buf = ChunkBuffers(aqk=aqk, tinv=tinv, w=torch.empty(TT, H, K, **lp16), kd=torch.empty(TT, H, K, **lp16),
                        u=torch.empty(TT, H, V, **(f32 if recompute else lp16)),
                        qg=torch.empty(TT, H, K, **lp16) if recompute else None,
-                       dl=torch.empty(max(NC, 1), H, K, **f32))
+                       dl=torch.empty(max(NC, 1), H, K, **f32), rq=rq, rk=rk)
     keep_states = recompute or NC * H * K * V * buf.w.element_size() <= STATES_LIMIT_BYTES + TT * H * K * 4
     if slabs is not None and keep_states and hs_kept is None:
         # Γ (and T unless kept) per slab; the loop of slab j beside the parallel kernels of slab j+1

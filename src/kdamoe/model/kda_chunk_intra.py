@@ -14,7 +14,7 @@ each block below by the per-column ``e^{Γ_a − Γ_{a_J}} <= 1`` (one exp per c
 import triton
 import triton.language as tl
 
-from .kda_kernel_utils import CHUNK, _exp, _put
+from .kda_kernel_utils import CHUNK, _exp, _put, _row_rstd
 
 
 @triton.jit
@@ -73,10 +73,12 @@ def _solve(tinv_ptr, a00, a10, a11, a20, a21, a22, a30, a31, a32, a33, s, e, h, 
 
 
 @triton.jit
-def _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, I: tl.constexpr, ck, mk, SAFE: tl.constexpr, FTZ: tl.constexpr):
+def _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, I: tl.constexpr, ck, mk, rq_ptr, rk_ptr, H, SAFE: tl.constexpr,
+                FTZ: tl.constexpr, NORM: tl.constexpr):
     """Columns ck of row block I (rows ``16 I .. 16 I + 15``) of a chunk of n rows, a = the block's first row: the
     row operands ``q_i e^{Γ_i − Γ_a}``, ``k_i e^{Γ_i − Γ_a}`` (factors <= 1), the column operand ``k_i e^{Γ_a − Γ_i}``
-    (>= 1; <= e^{75} with the bounded gate; SAFE: not formed, k as loaded), Γ_a, and q, k, Γ as loaded."""
+    (>= 1; <= e^{75} with the bounded gate; SAFE: not formed, k as loaded), Γ_a, and q, k, Γ as loaded (NORM: q, k
+    times their rows' L2-norm factors, from ``rq_ptr``, ``rk_ptr``)."""
     ri = I * 16 + tl.arange(0, 16)
     mi = (ri < n)[:, None] & mk[None, :]
     off = ri[:, None] * HK + ck[None, :]
@@ -84,6 +86,9 @@ def _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, I: tl.constexpr, ck, mk, SAFE: tl.
     gi = tl.load(gam_ptr + off, mask=mi, other=0.0)
     ki = tl.load(k_ptr + off, mask=mi, other=0.0).to(tl.float32)
     qi = tl.load(q_ptr + off, mask=mi, other=0.0).to(tl.float32)
+    if NORM:
+        ki *= tl.load(rk_ptr + ri * H, mask=ri < n, other=0.0)[:, None]
+        qi *= tl.load(rq_ptr + ri * H, mask=ri < n, other=0.0)[:, None]
     el = _exp(tl.where(mi, gi - ga[None, :], 0.0), FTZ)  # a masked row's Γ = 0 would give e^{−Γ_a}: overflow
     if SAFE:
         kc = ki
@@ -93,10 +98,11 @@ def _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, I: tl.constexpr, ck, mk, SAFE: tl.
 
 
 @triton.jit
-def _intra_diag(akk, aqk, k_ptr, gam_ptr, qr, kr, kc, qi, ki, gi, n, HK, I: tl.constexpr, ck, mk, SAFE: tl.constexpr,
-                FTZ: tl.constexpr):
+def _intra_diag(akk, aqk, k_ptr, gam_ptr, qr, kr, kc, qi, ki, gi, n, HK, I: tl.constexpr, ck, mk, rk_ptr, H,
+                SAFE: tl.constexpr, FTZ: tl.constexpr, NORM: tl.constexpr):
     """Adds columns ck's share of diagonal block (I, I): one dense dot each (both operands anchored at the block's
-    first row), or (SAFE, any gate) pair by pair (``e^{Γ_i − Γ_j}`` for ``j <= i`` only)."""
+    first row), or (SAFE, any gate) pair by pair (``e^{Γ_i − Γ_j}`` for ``j <= i`` only; NORM: k_j times its row's
+    L2-norm factor)."""
     if SAFE:
         ri = I * 16 + tl.arange(0, 16)
         mi = (ri < n)[:, None] & mk[None, :]
@@ -106,6 +112,8 @@ def _intra_diag(akk, aqk, k_ptr, gam_ptr, qr, kr, kc, qi, ki, gi, n, HK, I: tl.c
             mj = mk & (j + 0 * ck < n)
             gj = tl.load(gam_ptr + j * HK + ck, mask=mj, other=0.0)
             kj = tl.load(k_ptr + j * HK + ck, mask=mj, other=0.0).to(tl.float32)
+            if NORM:
+                kj *= tl.load(rk_ptr + j * H, mask=j < n, other=0.0)
             ok = ri >= j
             kd = kj[None, :] * _exp(tl.where(ok[:, None] & mi, gi - gj[None, :], 0.0), FTZ)
             sel = ok[:, None] & (r16[None, :] == jj)
@@ -149,15 +157,31 @@ def _intra_beta(b_ptr, n, H, I: tl.constexpr):
 
 
 @triton.jit
-def _intra_kernel(q_ptr, k_ptr, gam_ptr, b_ptr, aqk_ptr, tinv_ptr, cstart_ptr, cend_ptr, scale, H,
-                  K: tl.constexpr, BK: tl.constexpr, SAFE: tl.constexpr, FTZ: tl.constexpr):
+def _qk_rstd_kernel(q_ptr, k_ptr, rq_ptr, rk_ptr, cstart_ptr, cend_ptr, H, K: tl.constexpr, BK: tl.constexpr):
+    """The L2-norm factors of one chunk's rows of q and k (``_row_rstd``, K read BK at a time) into rq, rk
+    ``[B*T, H]``, which every kernel that loads rows of q or k scales them by."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.load(cstart_ptr + c).to(tl.int64)
+    n = tl.load(cend_ptr + c).to(tl.int64) - s
+    r = tl.arange(0, CHUNK)
+    base = s * H * K + h * K
+    tl.store(rq_ptr + (s + r) * H + h, _row_rstd(q_ptr + base, r, r < n, H * K, K, BK, CHUNK), mask=r < n)
+    tl.store(rk_ptr + (s + r) * H + h, _row_rstd(k_ptr + base, r, r < n, H * K, K, BK, CHUNK), mask=r < n)
+
+
+@triton.jit
+def _intra_kernel(q_ptr, k_ptr, gam_ptr, b_ptr, aqk_ptr, tinv_ptr, rq_ptr, rk_ptr, cstart_ptr, cend_ptr, scale, H,
+                  K: tl.constexpr, BK: tl.constexpr, SAFE: tl.constexpr, FTZ: tl.constexpr, NORM: tl.constexpr):
     """``A_qk`` (times scale, lower; its upper blocks 0) and ``T = (I + A_kk)^-1`` (A_kk times β, strictly lower) of
     one chunk by 16 x 16 blocks (I, J <= I): ``(x_i e^{Γ_i − Γ_a}) · (k_j e^{Γ_a − Γ_j})`` with a the first row of
     row block I, summed over head-dim slices of BK in 20 accumulators. In each slice every row block is loaded and
     exponentiated once, and its column operand serves the blocks below it (the column factors once per chunk, not
     once per row block; one operand re-anchored per block, not both). A_kk goes from the accumulators into the
     solve, never through memory. SAFE: the diagonal blocks pair by pair. Blocks past the end of a part-filled last
-    chunk compute on masked (zero) rows and store nothing."""
+    chunk compute on masked (zero) rows and store nothing. NORM (q, k as given, not L2-normalised): every loaded row of
+    q, k times its L2-norm factor from rq, rk (``_qk_rstd_kernel``), so the products are those of the normalised rows
+    (which are never written)."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.load(cstart_ptr + c).to(tl.int64)
@@ -169,6 +193,8 @@ def _intra_kernel(q_ptr, k_ptr, gam_ptr, b_ptr, aqk_ptr, tinv_ptr, cstart_ptr, c
     k_ptr += base
     gam_ptr += base
     b_ptr += s * H + h
+    rq_ptr += s * H + h
+    rk_ptr += s * H + h
     akk00 = tl.zeros((16, 16), dtype=tl.float32)
     akk10, akk11, akk20, akk21, akk22, akk30, akk31, akk32, akk33 = (akk00, akk00, akk00, akk00, akk00, akk00, akk00,
                                                                       akk00, akk00)
@@ -177,20 +203,28 @@ def _intra_kernel(q_ptr, k_ptr, gam_ptr, b_ptr, aqk_ptr, tinv_ptr, cstart_ptr, c
     for c0 in range(0, K, BK):
         ck = c0 + tl.arange(0, BK)
         mk = ck < K
-        qr0, kr0, kc0, ga0, q0, k0, g0 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 0, ck, mk, SAFE, FTZ)
-        akk00, aqk00 = _intra_diag(akk00, aqk00, k_ptr, gam_ptr, qr0, kr0, kc0, q0, k0, g0, n, HK, 0, ck, mk, SAFE, FTZ)
-        qr1, kr1, kc1, ga1, q1, k1, g1 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 1, ck, mk, SAFE, FTZ)
+        qr0, kr0, kc0, ga0, q0, k0, g0 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 0, ck, mk, rq_ptr, rk_ptr, H,
+                                                     SAFE, FTZ, NORM)
+        akk00, aqk00 = _intra_diag(akk00, aqk00, k_ptr, gam_ptr, qr0, kr0, kc0, q0, k0, g0, n, HK, 0, ck, mk,
+                                   rk_ptr, H, SAFE, FTZ, NORM)
+        qr1, kr1, kc1, ga1, q1, k1, g1 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 1, ck, mk, rq_ptr, rk_ptr, H,
+                                                     SAFE, FTZ, NORM)
         akk10, aqk10 = _intra_pair(akk10, aqk10, qr1, kr1, ga1, kc0, ga0, k0, g0, SAFE, FTZ)
-        akk11, aqk11 = _intra_diag(akk11, aqk11, k_ptr, gam_ptr, qr1, kr1, kc1, q1, k1, g1, n, HK, 1, ck, mk, SAFE, FTZ)
-        qr2, kr2, kc2, ga2, q2, k2, g2 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 2, ck, mk, SAFE, FTZ)
+        akk11, aqk11 = _intra_diag(akk11, aqk11, k_ptr, gam_ptr, qr1, kr1, kc1, q1, k1, g1, n, HK, 1, ck, mk,
+                                   rk_ptr, H, SAFE, FTZ, NORM)
+        qr2, kr2, kc2, ga2, q2, k2, g2 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 2, ck, mk, rq_ptr, rk_ptr, H,
+                                                     SAFE, FTZ, NORM)
         akk20, aqk20 = _intra_pair(akk20, aqk20, qr2, kr2, ga2, kc0, ga0, k0, g0, SAFE, FTZ)
         akk21, aqk21 = _intra_pair(akk21, aqk21, qr2, kr2, ga2, kc1, ga1, k1, g1, SAFE, FTZ)
-        akk22, aqk22 = _intra_diag(akk22, aqk22, k_ptr, gam_ptr, qr2, kr2, kc2, q2, k2, g2, n, HK, 2, ck, mk, SAFE, FTZ)
-        qr3, kr3, kc3, ga3, q3, k3, g3 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 3, ck, mk, SAFE, FTZ)
+        akk22, aqk22 = _intra_diag(akk22, aqk22, k_ptr, gam_ptr, qr2, kr2, kc2, q2, k2, g2, n, HK, 2, ck, mk,
+                                   rk_ptr, H, SAFE, FTZ, NORM)
+        qr3, kr3, kc3, ga3, q3, k3, g3 = _intra_rows(q_ptr, k_ptr, gam_ptr, n, HK, 3, ck, mk, rq_ptr, rk_ptr, H,
+                                                     SAFE, FTZ, NORM)
         akk30, aqk30 = _intra_pair(akk30, aqk30, qr3, kr3, ga3, kc0, ga0, k0, g0, SAFE, FTZ)
         akk31, aqk31 = _intra_pair(akk31, aqk31, qr3, kr3, ga3, kc1, ga1, k1, g1, SAFE, FTZ)
         akk32, aqk32 = _intra_pair(akk32, aqk32, qr3, kr3, ga3, kc2, ga2, k2, g2, SAFE, FTZ)
-        akk33, aqk33 = _intra_diag(akk33, aqk33, k_ptr, gam_ptr, qr3, kr3, kc3, q3, k3, g3, n, HK, 3, ck, mk, SAFE, FTZ)
+        akk33, aqk33 = _intra_diag(akk33, aqk33, k_ptr, gam_ptr, qr3, kr3, kc3, q3, k3, g3, n, HK, 3, ck, mk,
+                                   rk_ptr, H, SAFE, FTZ, NORM)
     zero = tl.zeros((16, 16), dtype=tl.float32)  # A_qk's upper blocks: the O kernel reads whole rows
     _put(aqk_ptr, _tril16(aqk00, False) * scale, s, e, h, H, 0, 0)
     _put(aqk_ptr, zero, s, e, h, H, 0, 1)
@@ -218,8 +252,9 @@ def _intra_kernel(q_ptr, k_ptr, gam_ptr, b_ptr, aqk_ptr, tinv_ptr, cstart_ptr, c
 
 @triton.jit
 def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, dqg_ptr, dkd_ptr, tdw_ptr, dp_ptr, da_ptr, dgc_ptr,
-                      xpre_ptr, dgam_ptr, dge_ptr, db32_ptr, dq_ptr, dk_ptr, db_ptr, cstart_ptr, cend_ptr, scale, H,
-                      K: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, SAFE: tl.constexpr, FTZ: tl.constexpr):
+                      xpre_ptr, dgam_ptr, dge_ptr, db32_ptr, dq_ptr, dk_ptr, db_ptr, rq_ptr, rk_ptr, cstart_ptr,
+                      cend_ptr, scale, H, K: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, SAFE: tl.constexpr,
+                      FTZ: tl.constexpr, NORM: tl.constexpr):
     """dq, dk, dβ (final) and dΓ with the prefix terms of dg, of rows ``16 I .. 16 I + 15`` of a chunk, from the
     sums of ``_bwd_v_kernel`` and ``_bwd_da_kernel``. Dense terms, row by row: ``dq = scale dQg e^Γ``, ``dk = dKd
     e^{Γ_C − Γ} + β (Tᵀ dW) e^Γ``, dP's diagonal (kept out of the pairwise terms: it adds exactly 0 to dΓ, and its
@@ -229,7 +264,10 @@ def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, dqg_ptr, dkd_ptr, tdw_ptr, d
     token can move the rounding); SAFE: other blocks anchored at the block's first (row side) or last (column side)
     row, the diagonal block pair by pair. The ``Γ_C − Γ_t`` terms add ``Σ_{s<t} k_s dKd_s e^{Γ_C − Γ_s} + e^{Γ_C}
     Σ_v S0 dS_C`` to dg_t: the earlier blocks' sum (``_bwd_da_kernel``) plus an exclusive prefix of the previous
-    rows (loaded again), no large term added and taken away again. Head dim in slices of KS (fewer live registers)."""
+    rows (loaded again), no large term added and taken away again. Head dim in slices of KS (fewer live registers).
+    NORM (q, k as given, ``_qk_rstd_kernel`` stored their rows' L2-norm factors rq, rk): every loaded row of q, k times
+    its factor, and the L2 norm's backward ``dx = r (dx̂ − x̂ (x̂ · dx̂))`` on dq, dk before they are stored (the head
+    dim in one slice: KS >= K)."""
     c = tl.program_id(0) // 4  # the 4 row blocks of a chunk run side by side: its q, k, Γ are read from L2
     h = tl.program_id(1)
     a = tl.program_id(0) % 4 * 16
@@ -243,6 +281,12 @@ def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, dqg_ptr, dkd_ptr, tdw_ptr, d
     q_ptr += base
     k_ptr += base
     gam_ptr += base
+    rq_ptr += s * H + h
+    rk_ptr += s * H + h
+    if NORM:
+        tl.static_assert(KS >= K, "the L2 norm's backward needs whole rows of dq, dk")
+        rqi = tl.load(rq_ptr + ri * H, mask=vi, other=0.0)
+        rki = tl.load(rk_ptr + ri * H, mask=vi, other=0.0)
     cc = tl.arange(0, 16)
     dp_diag = tl.load(dp_ptr + basec + ri * (H * CHUNK) + ri, mask=vi, other=0.0)
     bi = tl.load(b_ptr + s * H + ri * H + h, mask=vi, other=0.0).to(tl.float32)
@@ -273,6 +317,9 @@ def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, dqg_ptr, dkd_ptr, tdw_ptr, d
         gi = tl.where(vi[:, None], tl.load(gam_ptr + offi, mask=mi, other=0.0), glast[None, :])
         ki = tl.load(k_ptr + offi, mask=mi, other=0.0).to(tl.float32)
         qi = tl.load(q_ptr + offi, mask=mi, other=0.0).to(tl.float32)
+        if NORM:
+            ki *= rki[:, None]
+            qi *= rqi[:, None]
         # dense terms
         eg = _exp(gi, FTZ)
         kg = ki * eg
@@ -289,9 +336,11 @@ def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, dqg_ptr, dkd_ptr, tdw_ptr, d
                      other=0.0)
         mp = prev & mk[None, :]
         offp = offi - H * K
-        xp_ = tl.load(k_ptr + offp, mask=mp, other=0.0).to(tl.float32) * tl.load(dkd_ptr + base + offp, mask=mp,
-                      other=0.0) * _exp(tl.where(mp, glast[None, :] - tl.load(gam_ptr + offp, mask=mp, other=0.0),
-                                                   0.0), FTZ)
+        kp = tl.load(k_ptr + offp, mask=mp, other=0.0).to(tl.float32)
+        if NORM:
+            kp *= tl.load(rk_ptr + (ri - 1) * H, mask=vi & (ri >= a + 1), other=0.0)[:, None]
+        xp_ = kp * tl.load(dkd_ptr + base + offp, mask=mp, other=0.0) * _exp(
+            tl.where(mp, glast[None, :] - tl.load(gam_ptr + offp, mask=mp, other=0.0), 0.0), FTZ)
         dgc = tl.load(dgc_ptr + (c * H + h).to(tl.int64) * K + ck, mask=mk, other=0.0)
         tl.store(dge_ptr + base + offi, tl.cumsum(xp_, axis=0) + (xb + _exp(glast, FTZ) * dgc)[None, :], mask=mi)
         # pairwise terms, row side: blocks up to this one, 16 rows j at a time
@@ -304,6 +353,8 @@ def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, dqg_ptr, dkd_ptr, tdw_ptr, d
             offj = rj[:, None] * (H * K) + ck[None, :]
             gj = tl.where(vj[:, None], tl.load(gam_ptr + offj, mask=mj, other=0.0), glast[None, :])
             krj = tl.load(k_ptr + offj, mask=mj, other=0.0).to(tl.float32) * _exp(ga[None, :] - gj, FTZ)
+            if NORM:
+                krj *= tl.load(rk_ptr + rj * H, mask=vj, other=0.0)[:, None]
             offij = basec + ri[:, None] * (H * CHUNK) + rj[None, :]
             vij = vi[:, None] & vj[None, :]
             xp += tl.dot(tl.load(dp_ptr + offij, mask=vij & (rj[None, :] < ri[:, None]), other=0.0), krj)
@@ -328,10 +379,14 @@ def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, dqg_ptr, dkd_ptr, tdw_ptr, d
             offji = basec + rj[None, :] * (H * CHUNK) + ri[:, None]  # d[j, i] as [i, j]
             vij = vi[:, None] & vj[None, :]
             bj = tl.load(b_ptr + s * H + rj * H + h, mask=vj, other=0.0).to(tl.float32)
-            yp += tl.dot(tl.load(dp_ptr + offji, mask=vij & (rj[None, :] > ri[:, None]), other=0.0),
-                         tl.load(q_ptr + offj, mask=mj, other=0.0).to(tl.float32) * erj)
-            ym += tl.dot(tl.load(da_ptr + offji, mask=vij, other=0.0) * bj[None, :],
-                         tl.load(k_ptr + offj, mask=mj, other=0.0).to(tl.float32) * erj)
+            qe = tl.load(q_ptr + offj, mask=mj, other=0.0).to(tl.float32) * erj
+            if NORM:
+                qe *= tl.load(rq_ptr + rj * H, mask=vj, other=0.0)[:, None]
+            yp += tl.dot(tl.load(dp_ptr + offji, mask=vij & (rj[None, :] > ri[:, None]), other=0.0), qe)
+            ke = tl.load(k_ptr + offj, mask=mj, other=0.0).to(tl.float32) * erj
+            if NORM:
+                ke *= tl.load(rk_ptr + rj * H, mask=vj, other=0.0)[:, None]
+            ym += tl.dot(tl.load(da_ptr + offji, mask=vij, other=0.0) * bj[None, :], ke)
         ej = _exp(gb[None, :] - gi, FTZ)
         yp *= ej
         ym *= ej
@@ -343,6 +398,9 @@ def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, dqg_ptr, dkd_ptr, tdw_ptr, d
                 gj = tl.where(j < n, gj, glast)
                 kj = tl.load(k_ptr + j * (H * K) + ck, mask=mj, other=0.0).to(tl.float32)
                 qj = tl.load(q_ptr + j * (H * K) + ck, mask=mj, other=0.0).to(tl.float32)
+                if NORM:
+                    kj *= tl.load(rk_ptr + j * H, mask=j < n, other=0.0)
+                    qj *= tl.load(rq_ptr + j * H, mask=j < n, other=0.0)
                 # row side: partner j is an earlier (or the same) token of row i
                 ok = ri >= j
                 ex = _exp(tl.where(ok[:, None], gi - gj[None, :], 0.0), FTZ) * kj[None, :]
@@ -361,6 +419,9 @@ def _bwd_intra_kernel(q_ptr, k_ptr, b_ptr, gam_ptr, dqg_ptr, dkd_ptr, tdw_ptr, d
         dk += xa * bi[:, None] + yp + ym
         dgam += qi * xp + ki * xa * bi[:, None] - ki * (yp + ym)
         dbeta += tl.sum(ki * xa, axis=1)
+        if NORM:  # the gradients of the normalised rows, through the norm
+            dq = (dq - qi * tl.sum(dq * qi, axis=1)[:, None]) * rqi[:, None]
+            dk = (dk - ki * tl.sum(dk * ki, axis=1)[:, None]) * rki[:, None]
         tl.store(dq_ptr + base + offi, dq.to(dq_ptr.dtype.element_ty), mask=mi)
         tl.store(dk_ptr + base + offi, dk.to(dk_ptr.dtype.element_ty), mask=mi)
         tl.store(dgam_ptr + base + offi, dgam, mask=mi)

@@ -8,10 +8,12 @@ from .kda_kernel_utils import CHUNK, _chunk_vblock, _dot16, _exp, _lp_dot
 
 
 @triton.jit
-def _fwd_o_kernel(q_ptr, gam_ptr, aqk_ptr, hs_ptr, us_ptr, o_ptr, cstart_ptr, cend_ptr, scale, H, K: tl.constexpr,
-                  V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FTZ: tl.constexpr, LP: tl.constexpr):
+def _fwd_o_kernel(q_ptr, gam_ptr, aqk_ptr, hs_ptr, us_ptr, o_ptr, rq_ptr, cstart_ptr, cend_ptr, scale, H,
+                  K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, FTZ: tl.constexpr,
+                  LP: tl.constexpr, NORM: tl.constexpr):
     """``O = (scale Q e^Γ) S0 + P U`` of one chunk and V block, from the states stored by the chunk loop; Q e^Γ is
-    formed here, the head dim in BK-wide slices, so that a forward without autograd neither writes nor reads it."""
+    formed here, the head dim in BK-wide slices, so that a forward without autograd neither writes nor reads it.
+    NORM: Q's rows times their L2-norm factors rq (``[B*T, H]``)."""
     c, h, cv, s, r, rv = _chunk_vblock(cstart_ptr, cend_ptr, V, BV)
     mv = cv < V
     mv2 = rv[:, None] & mv[None, :]
@@ -21,13 +23,18 @@ def _fwd_o_kernel(q_ptr, gam_ptr, aqk_ptr, hs_ptr, us_ptr, o_ptr, cstart_ptr, ce
     # P U as stored (both bf16 with bf16 inputs: products exact, as in tf32)
     o = _lp_dot(aqk, u, LP)
     hs_ptr += (c * H + h).to(tl.int64) * (K * V)
+    if NORM:
+        rq = tl.load(rq_ptr + s * H + r * H + h, mask=rv, other=0.0)
     for k0 in range(0, K, BK):
         ck = k0 + tl.arange(0, BK)
         mk = ck < K
         offk = s * (H * K) + h * K + r[:, None] * (H * K) + ck[None, :]
         m2 = rv[:, None] & mk[None, :]
         eg = _exp(tl.load(gam_ptr + offk, mask=m2, other=0.0), FTZ) * scale
-        qg = (tl.load(q_ptr + offk, mask=m2, other=0.0).to(tl.float32) * eg).to(q_ptr.dtype.element_ty)
+        qq = tl.load(q_ptr + offk, mask=m2, other=0.0).to(tl.float32)
+        if NORM:
+            qq *= rq[:, None]
+        qg = (qq * eg).to(q_ptr.dtype.element_ty)
         s0 = tl.load(hs_ptr + ck[:, None] * V + cv[None, :], mask=mk[:, None] & mv[None, :], other=0.0)
         # Q e^Γ S0 in 16 bits costs no measurable error (docs/kda_kernels.md)
         o += _lp_dot(qg, s0, LP)

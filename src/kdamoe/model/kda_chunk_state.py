@@ -9,13 +9,14 @@ from .kda_kernel_utils import CHUNK, _loop_program, _lp_dot, _state_block
 
 
 @triton.jit
-def _fwd_state_kernel(q_ptr, gam_ptr, aqk_ptr, o_ptr, kd_ptr, dl_ptr, w_ptr, u_ptr, h0_ptr, ht_ptr, hs_ptr, cu_ptr,
-                      coff_ptr, scale, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_H: tl.constexpr, WRITE_O: tl.constexpr,
-                      LP: tl.constexpr):
+def _fwd_state_kernel(q_ptr, gam_ptr, aqk_ptr, o_ptr, kd_ptr, dl_ptr, w_ptr, u_ptr, h0_ptr, ht_ptr, hs_ptr, rq_ptr,
+                      cu_ptr, coff_ptr, scale, H, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                      BV: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_H: tl.constexpr,
+                      WRITE_O: tl.constexpr, LP: tl.constexpr, NORM: tl.constexpr):
     """The sequential chunk loop of one sequence, head and V block: ``U = U0 − W S`` (overwrites U0 in place),
     ``S ← e^{Γ_C} S + (K e^{Γ_C − Γ})ᵀ U``; with WRITE_O also ``O = (scale Q e^Γ) S + P U`` (the forward: no
-    per-chunk states kept), with STORE_H the state entering every chunk (the backward)."""
+    per-chunk states kept; NORM: Q's rows times their L2-norm factors rq), with STORE_H the state entering every chunk
+    (the backward)."""
     n, iv, h = _loop_program(V, BV)
     bos = tl.load(cu_ptr + n).to(tl.int64)
     eos = tl.load(cu_ptr + n + 1).to(tl.int64)
@@ -50,6 +51,8 @@ def _fwd_state_kernel(q_ptr, gam_ptr, aqk_ptr, o_ptr, kd_ptr, dl_ptr, w_ptr, u_p
         if WRITE_O:
             qg = tl.load(q_ptr + bk + offk, mask=m2, other=0.0).to(tl.float32)
             qg *= tl.exp(tl.load(gam_ptr + bk + offk, mask=m2, other=0.0)) * scale
+            if NORM:
+                qg *= tl.load(rq_ptr + t0 * H + r * H + h, mask=rv, other=0.0)[:, None]
             aqk = tl.load(aqk_ptr + t0 * (H * CHUNK) + h * CHUNK + r[:, None] * (H * CHUNK) + r[None, :], mask=rv[:, None],
                           other=0.0).to(tl.float32)
             o = tl.dot(qg, S) + tl.dot(aqk, u)

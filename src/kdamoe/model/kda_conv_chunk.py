@@ -1,31 +1,27 @@
 """The KDA layer's training path on Triton as one autograd function: short convolution + SiLU of the q | k | v
 projection, q / k L2 norm, chunked KDA with the gate in the kernel (imported only when triton is there).
 
-Composed of the separate ops, the backward keeps the conv input (for the conv's backward) and also the normalised
-q, k and v (for the chunk kernels' backward): two copies of the three projections. This function keeps the conv
-input only and recomputes the conv and the L2 norm in its backward (bit-identical: the same kernels on the same
-inputs), three ``[B, T, H·K]`` tensors fewer a layer for one conv and two L2-norm forwards more. The conv writes q,
-k and v as three tensors and its backward reads their gradients as three, so neither pass copies a third out of or
-into a ``[B, T, 3·H·K]`` tensor.
+Composed of the separate ops, the backward keeps the conv input (for the conv's backward) and also q, k and v (for
+the chunk kernels' backward): two copies of the three projections. This function keeps the conv input only and
+recomputes the conv in its backward (bit-identical: the same kernel on the same input), three ``[B, T, H·K]``
+tensors fewer a layer for one conv forward more. The conv writes q, k and v as three tensors and its backward reads
+their gradients as three, so neither pass copies a third out of or into a ``[B, T, 3·H·K]`` tensor; the L2 norm of
+q and k runs inside the chunk kernels (neither normalised tensor is ever written).
 """
 
 import torch
 
-from .fused_norm import l2norm_bwd, l2norm_fwd
 from .kda_chunk import _safe_path, check_triton_inputs, kda_backward, kda_forward
-from .kda_common import L2NORM_EPS, resolve_gate
+from .kda_common import resolve_gate
 from .short_conv import _check_conv, _on_device, _rows, conv_silu_bwd, conv_silu_fwd
 
 
 def _conv_q_k_v(x, weight, cu_seqlens_device, num_heads, flat):
-    """The conv output split into normalised q, k and v ``[B, T, H, K]`` (``[1, B·T, H, K]`` when ``flat``), and the
-    L2 norms' rstd."""
+    """The conv output as q, k and v ``[B, T, H, K]`` (``[1, B·T, H, K]`` when ``flat``), each contiguous."""
     B, T, C = x.shape
     shape = (1, B * T) if flat else (B, T)
     parts = conv_silu_fwd(x, weight, cu_seqlens_device, None, split=True)  # q | k | v apart, each [B, T, H·K]
-    q, k, v = (t.view(*shape, num_heads, C // (3 * num_heads)) for t in parts)
-    (qn, rq), (kn, rk) = l2norm_fwd(q, L2NORM_EPS), l2norm_fwd(k, L2NORM_EPS)
-    return qn, kn, v, rq, rk
+    return [t.view(*shape, num_heads, C // (3 * num_heads)) for t in parts]
 
 
 class _ConvChunkKDAFn(torch.autograd.Function):
@@ -34,10 +30,10 @@ class _ConvChunkKDAFn(torch.autograd.Function):
                 output_final_state):
         x, weight = _rows(qkv), weight.contiguous()
         flat = cu_seqlens is not None
-        q, k, v, _, _ = _conv_q_k_v(x, weight, cu_seqlens_device, num_heads, flat)
+        q, k, v = _conv_q_k_v(x, weight, cu_seqlens_device, num_heads, flat)
         scale = q.shape[-1] ** -0.5
         o, ht, kc, kept = kda_forward(q, k, v, g, beta, A_log, dt_bias, scale, None, output_final_state, cu_seqlens,
-                                      safe, mode, lb, True)
+                                      safe, mode, lb, True, True)
         ctx.save_for_backward(x, weight, cu_seqlens_device, g, beta, A_log, dt_bias, *kept)
         ctx.kc, ctx.num_heads, ctx.flat = kc, num_heads, flat
         return o, ht
@@ -45,10 +41,9 @@ class _ConvChunkKDAFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         x, weight, cu_seqlens_device, g, beta, A_log, dt_bias, *kept = ctx.saved_tensors
-        q, k, v, rq, rk = _conv_q_k_v(x, weight, cu_seqlens_device, ctx.num_heads, ctx.flat)
+        q, k, v = _conv_q_k_v(x, weight, cu_seqlens_device, ctx.num_heads, ctx.flat)
         dq, dk, dv, dg, db, dA_log, ddt_bias, _ = kda_backward(q, k, v, g, beta, A_log, dt_bias, None, ctx.kc, kept,
                                                                do, dht)
-        dq, dk = l2norm_bwd(q, rq, dq), l2norm_bwd(k, rk, dk)
         dx, dweight = conv_silu_bwd(x, weight, cu_seqlens_device, None,
                                     [t.reshape(*x.shape[:2], -1) for t in (dq, dk, dv)])
         return dx, dweight, dg, db, dA_log, ddt_bias, None, None, None, None, None, None, None

@@ -4,7 +4,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .kda_chunk import check_triton_inputs, flatten_rows, qk_l2norm
+from .fused_norm import l2norm
+from .kda_chunk import check_triton_inputs, flatten_rows
 from .kda_common import kda_gate
 from .kda_kernel_utils import _loop_program, _state_block
 from .kda_launch import LAUNCH, launch_cfg
@@ -52,7 +53,7 @@ def recurrent_kda_triton(q, k, v, g, beta, scale=None, initial_state=None, outpu
     check_triton_inputs(q, k, v, g, beta, initial_state, cu_seqlens, gate)
     with torch.no_grad():
         if use_qk_l2norm_in_kernel:
-            q, k = qk_l2norm(q, k)
+            q, k = l2norm(q), l2norm(k)  # one fused kernel per tensor
         if use_gate_in_kernel:
             g = kda_gate(g, A_log, dt_bias, gate=gate, lower_bound=-5.0 if lower_bound is None else float(lower_bound))
         B, T, H, K = q.shape

@@ -13,10 +13,11 @@ documents."""
 import triton
 import triton.language as tl
 
-from .kda_common import CHUNK_SIZE
+from .kda_common import CHUNK_SIZE, L2NORM_EPS
 
 CHUNK = tl.constexpr(CHUNK_SIZE)
 LOG2E = tl.constexpr(1.4426950408889634)
+L2EPS = tl.constexpr(L2NORM_EPS)
 
 
 @triton.jit
@@ -29,6 +30,19 @@ def _exp(x, FTZ: tl.constexpr):
         return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x * LOG2E],
                                          dtype=tl.float32, is_pure=True, pack=1)
     return tl.exp(x)
+
+
+@triton.jit
+def _row_rstd(x_ptr, rows, valid, HK, K: tl.constexpr, BK: tl.constexpr, R: tl.constexpr):
+    """The L2 norm's ``1 / sqrt(Σ x² + eps)`` of the R rows ``rows`` (where ``valid``) of a ``[*, HK]`` tensor, its
+    head's K columns read BK at a time (as ``fused_norm``'s kernel computes it, in fp32)."""
+    ss = tl.zeros((R,), dtype=tl.float32)
+    for c0 in range(0, K, BK):
+        ck = c0 + tl.arange(0, BK)
+        x = tl.load(x_ptr + rows[:, None] * HK + ck[None, :], mask=valid[:, None] & (ck < K)[None, :],
+                    other=0.0).to(tl.float32)
+        ss += tl.sum(x * x, axis=1)
+    return tl.rsqrt(ss + L2EPS)
 
 
 @triton.jit

@@ -16,6 +16,7 @@ from .kda_common import CHUNK_SIZE
 # same-run A/B of the whole forward+backward (tools/ab_kda.sh) confirmed it.
 LAUNCH = {
     "gate_cumsum": dict(num_warps=4),
+    "qk_rstd": dict(num_warps=4),
     "intra": dict(num_warps=1, num_stages=2),  # [16, 16] dots need no cross-warp exchange
     "wu": dict(num_warps=4, num_stages=3),
     "fwd_state": dict(num_warps=4),
@@ -33,8 +34,11 @@ LAUNCH = {
     "recurrent": dict(num_warps=4),
 }
 # Column slice widths: whole [64, 128] fp32 tiles spill registers in `_wu_kernel`; `_intra_kernel`'s 16-wide slices
-# keep its 20 accumulators in registers; `_bwd_intra_kernel` takes the head dim in one slice.
-SLICE = {"gate_k": 64, "intra_k": 16, "wu_k": 64, "wu_v": 64, "bwd_intra_k": 128, "bwd_da_k": 64, "o_k": 64}
+# keep its 20 accumulators in registers; `_bwd_intra_kernel` takes the head dim in one slice (with the q/k L2 norm
+# inside the kernels it must: its backward needs whole rows; at head dim 256 that slice spills 640 B of stack, against
+# 168 B in two); `_qk_rstd_kernel` sums the squares of q, k 64 columns at a time.
+SLICE = {"gate_k": 64, "intra_k": 16, "wu_k": 64, "wu_v": 64, "bwd_intra_k": 128, "bwd_da_k": 64, "o_k": 64,
+         "norm_k": 64}
 # Slabs of a single sequence (`slab_ranges`): about SLABS of them, each of at least SLAB_MIN_TOKEN_HEADS token-heads
 # (a slab's launches cost host time; a forward slab is less GPU work than a backward one); SLAB_TOKENS forces a slab
 # length (tests: the slabbed paths under the interpreter).

@@ -36,7 +36,7 @@ from .caches import CACHE_FIELD, KDAMoECache, KDAMoEStaticCache
 from .configuration_kdamoe import KDAMoEConfig
 from .context_parallel import ContextParallel, RowShard
 from .decode_graphs import graphed_decode_step
-from .fused_norm import gated_rms_norm, l2norm, rms_norm
+from .fused_norm import gated_rms_norm, rms_norm
 from .kda import chunk_kda, recurrent_kda
 from .kda_decode import kda_decode_step
 from .loss import linear_cross_entropy
@@ -228,8 +228,9 @@ class KDAMoEKimiDeltaAttention(nn.Module):
         return self.conv_weight
 
     def _conv_and_kda(self, qkv, g_raw, beta, layer_cache, packed, shard, flat, kda_kwargs):
-        """The conv + SiLU, the q/k L2 norm and the KDA op as separate ops (decoding, context parallelism, the CPU,
-        inference, tracing): `(o, final state or None)`, both as the op returns them (`flat` rows when packed)."""
+        """The conv + SiLU and the KDA op (the q/k L2 norm inside it) as separate ops (decoding, context
+        parallelism, the CPU, inference, tracing): `(o, final state or None)`, both as the op returns them (`flat`
+        rows when packed)."""
         batch, seq_len, _ = qkv.shape
         h, k = self.num_heads, self.head_dim
         cu_seqlens = packed.cu_seqlens_device if packed is not None else None
@@ -239,9 +240,10 @@ class KDAMoEKimiDeltaAttention(nn.Module):
         else:
             context = layer_cache.conv_states[0][..., 1:].transpose(1, 2) if layer_cache is not None else None
             mixed = short_conv_silu(qkv, self._conv_weight(qkv), cu_seqlens=cu_seqlens, context=context)
-        q, key, v = (t.view(batch, seq_len, h, k) for t in mixed.split(h * k, dim=-1))
-        # q, k L2-normalised per head; v copied out, so that what the op keeps holds no view of the whole conv output
-        q, key, v = l2norm(q), l2norm(key), v.contiguous()
+        # q, k, v copied out, so that what the op keeps holds no view of the whole conv output; q, k L2-normalised
+        # per head inside the op (on a GPU in its kernels)
+        q, key, v = (t.view(batch, seq_len, h, k).contiguous() for t in mixed.split(h * k, dim=-1))
+        kda_kwargs = dict(kda_kwargs, use_qk_l2norm_in_kernel=True)
         if layer_cache is not None:  # decoding
             kda = recurrent_kda if seq_len < 64 else chunk_kda
             return kda(q, key, v, g_raw, beta, initial_state=layer_cache.recurrent_states[0], **kda_kwargs)
