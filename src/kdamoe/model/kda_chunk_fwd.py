@@ -177,8 +177,8 @@ def chunk_fwd(x, gate, scale, h0, tables, safe, output_final_state, *, keep_tinv
             the chunk loop too (``_wu_kernel`` then computes U from them); it returns Γ, U in fp32, scale Q e^Γ and
             the states, and no output.
         slabs: token ranges of a single sequence (``kda_launch.slab_ranges``) or None.
-        norm: q and k are L2-normalised inside the kernels (``buf.rq``, ``buf.rk``: their rows' factors, from the
-            intra kernel); the recomputation takes them from ``saved`` (None there: no norm).
+        norm: q and k are L2-normalised inside the kernels (``buf.rq``, ``buf.rk``: their rows' factors, from
+            ``_qk_rstd_kernel``); the recomputation takes them from ``saved`` (None there: no norm).
     """
     q = x[0]
     TT, H, K = q.shape
