@@ -298,7 +298,7 @@ def test_half_precision_inputs(dtype):
 @pytest.mark.parametrize("gate,path", [("bounded", "one_pass"), ("bounded", "no_kept_states"), ("bounded", "slabs"),
                                        ("softplus", "one_pass")])
 def test_fused_gate_and_l2norm_match_torch_backend(gate, path, monkeypatch):
-    """The gate and the q/k L2 norm inside the kernels (raw q, k whose rows' norms span e^±2; the intra kernel
+    """The gate and the q/k L2 norm inside the kernels (raw q, k whose rows' norms span e^±2; a kernel of its own
     computes the rows' factors, the others scale the rows they load, the backward applies the norm's chain rule) give
     the float64 torch path's output and gradients of every input, on each way through the kernels: documents of a
     packed row (one ends inside a chunk, one is empty), without kept per-chunk states (the forward loop writes O, the
