@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from triton_interpreter import DEV, kernel_test, rerun_in_interpreter, rerun_test
 
 from kdamoe.model import loss_triton  # noqa: E402
-from kdamoe.model.loss import linear_cross_entropy  # noqa: E402
+from kdamoe.model.loss import _accumulate_product, linear_cross_entropy  # noqa: E402
 
 N, D, V = 50, 24, 37
 
@@ -67,6 +67,20 @@ def test_bf16_matches_float64_reference(chunk_size):
     # bf16 logits (8-bit mantissa) and bf16 gradients: errors of a few 2^-8
     torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-2, atol=1e-2)
     assert rel(gh, ref_h) < 1e-2 and rel(gw, ref_w) < 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GEMM that adds into an fp32 gradient is CUDA's")
+def test_weight_gradient_sums_chunk_products_in_fp32_on_cuda():
+    """Each chunk's bf16 product adds into the fp32 weight gradient unrounded: the sum equals the float64 sum of the
+    same bf16 products to fp32 precision (rounding each product to bf16 first would leave it ~1e-3 off)."""
+    g = torch.Generator().manual_seed(0)
+    parts = [(torch.randn(300, 64, generator=g).bfloat16(), torch.randn(300, 48, generator=g).bfloat16())
+             for _ in range(4)]
+    acc = torch.zeros(64, 48, device="cuda")
+    for a, b in parts:
+        _accumulate_product(acc, a.cuda().T, b.cuda())
+    want = sum(a.double().T @ b.double() for a, b in parts)
+    assert rel(acc.cpu(), want) < 1e-5
 
 
 def test_sum_reduction_and_grad_output_scaling():

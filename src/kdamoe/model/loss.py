@@ -34,6 +34,17 @@ from .loss_triton import KERNEL_DTYPES, cross_entropy_rows
 CHUNK_LOGITS = 1 << 26
 
 
+def _accumulate_product(acc, a, b):
+    """``acc += a @ b``. On CUDA with a 16-bit ``a`` and an fp32 ``acc`` (the weight's gradient across chunks)
+    the GEMM adds into acc in its epilogue (cuBLAS, ``out_dtype``): the fp32 sum of products is never rounded to
+    16 bits, and no ``[V, D]`` product is written and read back by a separate add."""
+    if acc.is_cuda and acc.dtype == torch.float32 and a.dtype in (torch.float16, torch.bfloat16):
+        with torch.autocast("cuda", enabled=False):  # b in a's dtype, as autocast would cast it for a @ b
+            torch.addmm(acc, a, b.to(a.dtype), out_dtype=torch.float32, out=acc)
+    else:
+        acc += a @ b
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, chunk_size, reduction, validate, backend):
@@ -90,7 +101,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if need_hidden:
                 grad_hidden[rows] = grad_logits @ weight
             if need_weight:
-                grad_weight += grad_logits.T @ h
+                _accumulate_product(grad_weight, grad_logits.T, h)
         ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
         return loss_sum * scale
 
