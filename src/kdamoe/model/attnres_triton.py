@@ -49,6 +49,9 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LAUNCH = {
     "fwd": dict(tile=1024, values_per_thread=8),
     "bwd": dict(tile=1024, values_per_thread=8, programs_per_sm=12),
+    # the sum of the backward's P rows of partial sums: 8-column blocks, so that D = 1024 spreads over 128 programs
+    # (32-column blocks left most SMs idle), 512 rows a load
+    "param_grad": dict(BLOCK_D=8, BLOCK_P=512, num_warps=8),
 }
 HOLD_REGISTERS = 64  # 32-bit registers per thread that may hold a tile's sources (see `_launch`)
 
@@ -304,8 +307,9 @@ def depth_attention_bwd(dout, sources, query, gamma, logits, rstd, weights, need
         ADD_S=add_s, NORM=norm is not None, HOLD=hold, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)
     dquery, dgamma = torch.empty_like(query), torch.empty_like(gamma)
     dnorm = torch.empty_like(norm[0]) if norm is not None else None
-    block_d = 32
-    _param_grad_kernel[(triton.cdiv(D, block_d),)](
+    cfg = LAUNCH["param_grad"]
+    _param_grad_kernel[(triton.cdiv(D, cfg["BLOCK_D"]),)](
         du, dnw if norm is not None else du, query, gamma, dquery, dgamma, dnorm if norm is not None else dquery,
-        programs, D, NORM=norm is not None, BLOCK_P=64, BLOCK_D=block_d, num_warps=4)
+        programs, D, NORM=norm is not None, BLOCK_P=min(cfg["BLOCK_P"], triton.next_power_of_2(programs)),
+        BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"])
     return dquery, dgamma, dsources, dnorm
