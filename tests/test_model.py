@@ -281,6 +281,25 @@ def test_fused_input_projections_equal_the_modules_and_never_bypass_an_adapter()
     got = torch.autograd.grad(fused, leaves, cotangents)
     for a, b in zip(fused + got, separate + want):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    # gradients into one output only: the others' are None (zero for the weights that only they use)
+    want = torch.autograd.grad(linears[3](x), leaves, cotangents[1], allow_unused=True)
+    got = torch.autograd.grad(fused_projections(x, *groups)[1], leaves, cotangents[1], allow_unused=True)
+    for a, b, leaf in zip(got, want, leaves):
+        torch.testing.assert_close(a, torch.zeros_like(leaf) if b is None else b, rtol=1e-12, atol=1e-12)
+    # under autocast: the outputs in the autocast dtype, the gradients in the leaves' dtypes, as the modules give them
+    single = [m.float() for m in linears]
+    xf = x.detach().float().requires_grad_()
+    leaves = [xf] + [m.weight for m in single]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = fused_projections(xf, *groups)
+        separate = (torch.cat([m(xf) for m in groups[0]], -1), single[3](xf), single[4](xf))
+    assert [t.dtype for t in fused] == [t.dtype for t in separate] == [torch.bfloat16] * 3
+    cotangents = [torch.randn_like(t) for t in separate]
+    want = torch.autograd.grad(separate, leaves, cotangents)
+    got = torch.autograd.grad(fused, leaves, cotangents)
+    for a, b in zip(fused + got, separate + want):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
 
     model = make_model(layer_types=KDA_ONLY)
     ids = torch.randint(3, 97, (2, 12))

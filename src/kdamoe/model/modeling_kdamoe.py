@@ -79,20 +79,63 @@ class KDAMoERMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+class _FusedLinear(torch.autograd.Function):
+    """``x @ cat(weights).T`` as column slices, one per group of ``widths`` (a last group of padding columns is not
+    returned). Its backward forms x's gradient from the first group's output gradient in one GEMM and adds the
+    other groups' (a few narrow columns, joined) in a second GEMM's epilogue: split's backward would first write
+    every output gradient into one ``[tokens, Σ widths]`` tensor. Under autocast x and the weights run in the
+    autocast dtype, and the gradients return in the inputs' dtypes, as the ops autocast runs would give them."""
+
+    @staticmethod
+    def forward(ctx, x, widths, rows, *weights):
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x_run, w_run = x.to(dtype), torch.cat(weights).to(dtype)
+        else:
+            x_run, w_run = x, torch.cat(weights)
+        if pad := -sum(widths) % 16:
+            w_run = torch.cat([w_run, w_run.new_zeros(pad, w_run.shape[1])])
+        ctx.save_for_backward(x_run, w_run)
+        ctx.widths, ctx.rows, ctx.x_dtype = widths, rows, x.dtype
+        ctx.w_dtypes = [w.dtype for w in weights]
+        ctx.set_materialize_grads(False)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x_run, w_run).split(list(widths) + [pad], dim=-1)[: len(widths)]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x_run, w_run = ctx.saved_tensors
+        first, rest = ctx.widths[0], sum(ctx.widths[1:])
+        lead = x_run.shape[:-1]
+        flat = [torch.zeros(*lead, n, dtype=x_run.dtype, device=x_run.device) if g is None else g.to(x_run.dtype)
+                for g, n in zip(grads, ctx.widths)]
+        g_first = flat[0].reshape(-1, first)  # [N, first]
+        g_rest = torch.cat(flat[1:], -1).reshape(-1, rest) if rest else None  # [N, Σ other widths]
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = g_first @ w_run[:first]
+            if g_rest is not None:
+                dx.addmm_(g_rest, w_run[first:first + rest])
+            dx = dx.view(*lead, -1).to(ctx.x_dtype)
+        if any(ctx.needs_input_grad[3:]):
+            x2 = x_run.reshape(-1, x_run.shape[-1])
+            dw = [g_first.T @ x2] + ([g_rest.T @ x2] if g_rest is not None else [])
+            dw = [g.to(d) for g, d in zip(torch.cat(dw).split(ctx.rows), ctx.w_dtypes)]
+        return dx, None, None, *(dw if dw is not None else [None] * len(ctx.rows))
+
+
 def fused_projections(x: torch.Tensor, *groups: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, ...]:
     """`torch.cat([m(x) for m in group], -1)` for each group of bias-free projections of the same input x. When every
     module is a plain `nn.Linear` without hooks, all groups come from one GEMM over their concatenated weights, as
-    column slices of its output: x is read once, and the backward runs one GEMM for x's gradient instead of one per
-    projection plus an add for each. The output's rows are padded to a multiple of 16 elements, so that a kernel
-    reading a group's columns in place sees 32-byte aligned rows (and vectorises its loads). Anything else (PEFT's
-    LoRA layers, quantised linears, hooks) runs module by module, so adapters are never bypassed."""
+    column slices of its output (`_FusedLinear`): x is read once, and the backward runs two GEMMs for x's gradient
+    instead of one per projection plus an add for each. The output's rows are padded to a multiple of 16 elements, so
+    that a kernel reading a group's columns in place sees 32-byte aligned rows (and vectorises its loads). Anything
+    else (PEFT's LoRA layers, quantised linears, hooks) runs module by module, so adapters are never bypassed."""
     modules = [m for group in groups for m in group]
     if all(type(m) is nn.Linear and m.bias is None and not (m._forward_hooks or m._forward_pre_hooks) for m in modules):
-        widths = [sum(m.out_features for m in group) for group in groups]
-        weights = [m.weight for m in modules]
-        if pad := -sum(widths) % 16:
-            weights.append(weights[0].new_zeros(pad, weights[0].shape[1]))
-        return F.linear(x, torch.cat(weights)).split(widths + [pad], dim=-1)[: len(groups)]
+        widths = tuple(sum(m.out_features for m in group) for group in groups)
+        rows = tuple(m.out_features for m in modules)
+        return _FusedLinear.apply(x, widths, rows, *(m.weight for m in modules))
     return tuple(torch.cat([m(x) for m in group], -1) if len(group) > 1 else group[0](x) for group in groups)
 
 
