@@ -210,6 +210,51 @@ def test_rms_norm_kernels_match_float64(small_tiles, shape):
 
 
 @kernel_test
+@pytest.mark.parametrize("shape", [(37, 100), (2, 5, 64), (4, 7, 1000), (0, 24)])
+def test_add_rms_norm_kernels_match_float64(small_tiles, shape):
+    """``h = residual + x`` and RMSNorm(h) against float64: both outputs, and the gradients when h's gradient comes
+    from later sublayers as well as through the norm, through the norm alone, or through h alone."""
+    (r, x, w), (r64, x64, w64) = leaves(torch.randn(shape) * 3, torch.randn(shape), 1 + 0.3 * torch.randn(shape[-1]))
+    h, y = fused_norm.add_rms_norm(r, x, w, EPS, backend="triton")
+    h64 = r64 + x64
+    y64 = rms64(h64, w64)
+    check(torch.cat([h.reshape(-1), y.reshape(-1)]), torch.cat([h64.reshape(-1), y64.reshape(-1)]), [r, x, w],
+          [r64, x64, w64])
+    for pick in (1, 0):  # the norm's output only, h only
+        out = fused_norm.add_rms_norm(r, x, w, EPS, backend="triton")[pick]
+        ref = r64 + x64 if pick == 0 else rms64(r64 + x64, w64)
+        cot = torch.randn_like(out)
+        grads = torch.autograd.grad(out, [r, x, w], cot, allow_unused=True)
+        want = torch.autograd.grad(ref, [r64, x64, w64], cot.double(), allow_unused=True)
+        for g, want_g, leaf in zip(grads, want, (r, x, w)):
+            if want_g is None:
+                assert g is None or not g.any()
+            else:
+                assert rel(g, want_g) < TOL
+
+
+@kernel_test
+def test_add_rms_norm_rounds_h_as_the_add_and_returns_each_input_its_dtype():
+    """An fp32 residual plus an fp16 sublayer output (the stream under autocast): h is fp32 and equal to torch's add,
+    the norm's output equals the norm of that h, and the gradients come back fp32 and fp16, as the unfused ops give
+    them."""
+    r = torch.randn(6, 40).to(DEV).requires_grad_()
+    x = torch.randn(6, 40).to(DEV, torch.float16).requires_grad_()
+    w = (1 + 0.3 * torch.randn(40)).to(DEV).requires_grad_()
+    h, y = fused_norm.add_rms_norm(r, x, w, EPS, backend="triton")
+    h_ref = r + x
+    y_ref = fused_norm.rms_norm_torch(h_ref, w, EPS)
+    assert h.dtype == y.dtype == torch.float32 and torch.equal(h, h_ref)
+    assert rel(y, y_ref.double()) < 1e-6
+    cots = torch.randn_like(h), torch.randn_like(y)
+    got = torch.autograd.grad((h, y), (r, x, w), cots)
+    want = torch.autograd.grad((h_ref, y_ref), (r, x, w), cots)
+    assert [g.dtype for g in got] == [g.dtype for g in want] == [torch.float32, torch.float16, torch.float32]
+    for g, want_g in zip(got, want):
+        assert rel(g, want_g.double()) < 1e-3
+
+
+@kernel_test
 @pytest.mark.parametrize("shape", [(2, 9, 3, 24), (1, 5, 4, 128), (3, 2, 2, 100)])
 def test_gated_rms_norm_kernels_match_float64(small_tiles, shape):
     (o, w, g), (o64, w64, g64) = leaves(torch.randn(shape), 1 + 0.3 * torch.randn(shape[-1]), 2 * torch.randn(shape))

@@ -2,6 +2,11 @@
 
 - ``rms_norm(x [..., D], weight [D], eps)``: ``KDAMoERMSNorm`` exactly: ``weight · x · rsqrt(mean(x²) + eps)``
   in fp32, cast back to x's dtype.
+- ``add_rms_norm(residual, x [..., D], weight [D], eps)``: ``h = residual + x`` (rounded to their promoted dtype, as
+  torch's add rounds it) and ``rms_norm(h)``, returning both: a residual add and the next sublayer's norm. The
+  forward writes h beside the norm's output; the backward adds the gradient h receives from later sublayers into the
+  norm's gradient of h. Against the unfused ops this saves a read of h forward and a read and write backward (the
+  separate add of the two gradients), and a launch each way.
 - ``gated_rms_norm(o [..., H, V], weight [V], gate [..., H, V], eps)``: KDA's output path
   ``o_norm(o) * out_gate.sigmoid()``, with the unfused expression's roundings kept: the norm's output is rounded
   to o's dtype and the sigmoid to gate's dtype before the product, which is rounded to their promoted dtype. With
@@ -58,6 +63,12 @@ def rms_norm_torch(x, weight, eps):
     x = x.to(wide)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return (weight.to(wide) * x).to(dtype)
+
+
+def add_rms_norm_torch(residual, x, weight, eps):
+    """``(h, rms_norm(h))`` with ``h = residual + x``: the residual add and the next sublayer's norm."""
+    h = residual + x
+    return h, rms_norm_torch(h, weight, eps)
 
 
 def gated_rms_norm_torch(o, weight, gate, eps):
@@ -126,15 +137,21 @@ def _check_norm(x, weight, gate=None):
 if triton is not None:
 
     @triton.jit
-    def _rms_fwd_kernel(X, G, Wt, Y, RSTD, R, D, eps,
-                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr):
-        """One tile of rows: y = w · x · rstd (then, HAS_GATE, rounded as o_norm's output times sigmoid(g))."""
+    def _rms_fwd_kernel(X, G, Wt, Y, RSTD, RES, H, R, D, eps,
+                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
+                        HAS_RES: tl.constexpr):
+        """One tile of rows: y = w · x · rstd (then, HAS_GATE, rounded as o_norm's output times sigmoid(g)); with
+        HAS_RES x is first ``h = res + x`` rounded to H's dtype (as torch's add rounds it), stored into H."""
         rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
         cols = tl.arange(0, BLOCK_D)
         m_r, m_d = rows < R, cols < D
         mask = m_r[:, None] & m_d[None, :]
         offs = rows[:, None] * D + cols[None, :]
         x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RES:
+            h = (tl.load(RES + offs, mask=mask, other=0.0).to(tl.float32) + x).to(H.dtype.element_ty)
+            tl.store(H + offs, h, mask=mask)
+            x = h.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
         w = tl.load(Wt + cols, mask=m_d, other=0.0).to(tl.float32)
         y = w[None, :] * (x * rstd[:, None])
@@ -145,10 +162,12 @@ if triton is not None:
         tl.store(RSTD + rows, rstd, mask=m_r)
 
     @triton.jit
-    def _rms_bwd_kernel(X, G, Wt, DY, DX, DG, RSTD, DW, R, D, n_tiles,
-                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr):
-        """Persistent: tiles pid, pid + P, ...; dx = rstd (w dy − x̂ mean(w dy x̂)), dg = dout · y · s(1 − s);
-        this program's Σ dy · x̂ goes to row pid of DW [P, D]."""
+    def _rms_bwd_kernel(X, G, Wt, DY, DX, DG, RSTD, DW, DRES, R, D, n_tiles,
+                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr,
+                        HAS_DRES: tl.constexpr):
+        """Persistent: tiles pid, pid + P, ...; dx = rstd (w dy − x̂ mean(w dy x̂)) (HAS_DRES: plus DRES, the
+        gradient that reaches x by the residual path), dg = dout · y · s(1 − s); this program's Σ dy · x̂ goes to row
+        pid of DW [P, D]."""
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK_D)
         m_d = cols < D
@@ -171,6 +190,8 @@ if triton is not None:
             dw += dy * xhat
             wdy = dy * w[None, :]
             dx = (wdy - xhat * (tl.sum(wdy * xhat, axis=1) / D)[:, None]) * rstd[:, None]
+            if HAS_DRES:
+                dx += tl.load(DRES + offs, mask=mask, other=0.0).to(tl.float32)
             tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
         tl.store(DW + pid * D + cols, tl.sum(dw, axis=0), mask=m_d)
 
@@ -223,8 +244,8 @@ class _RMSNormFn(torch.autograd.Function):
         block_r, block_d, num_warps = _row_tile(D)
         if R:
             _rms_fwd_kernel[(triton.cdiv(R, block_r),)](
-                x2, x2 if g2 is None else g2, weight, y, rstd, R, D, eps,
-                BLOCK_R=block_r, BLOCK_D=block_d, HAS_GATE=gate is not None, num_warps=num_warps)
+                x2, x2 if g2 is None else g2, weight, y, rstd, x2, x2, R, D, eps,
+                BLOCK_R=block_r, BLOCK_D=block_d, HAS_GATE=gate is not None, HAS_RES=False, num_warps=num_warps)
         ctx.save_for_backward(x2, weight, g2, rstd)
         ctx.shape = shape
         return y.view(shape)
@@ -241,10 +262,56 @@ class _RMSNormFn(torch.autograd.Function):
         programs = persistent_programs(x2.device, n_tiles)
         dw = torch.empty(programs, D, dtype=torch.float32, device=x2.device)
         _rms_bwd_kernel[(programs,)](
-            x2, x2 if g2 is None else g2, weight, dy2, dx, dx if dg is None else dg, rstd, dw, R, D, n_tiles,
-            BLOCK_R=block_r, BLOCK_D=block_d, HAS_GATE=g2 is not None, num_warps=2 * num_warps)
+            x2, x2 if g2 is None else g2, weight, dy2, dx, dx if dg is None else dg, rstd, dw, dx, R, D, n_tiles,
+            BLOCK_R=block_r, BLOCK_D=block_d, HAS_GATE=g2 is not None, HAS_DRES=False, num_warps=2 * num_warps)
         shape = ctx.shape
         return dx.view(shape), dw.sum(0).to(weight.dtype), None if dg is None else dg.view(shape), None
+
+
+class _AddRMSNormFn(torch.autograd.Function):
+    """``h = residual + x`` and ``RMSNorm(h)`` in one kernel each way: the forward writes h beside the norm's output
+    (no separate add reading both back), the backward adds the gradient h receives from later sublayers into the
+    norm's (no separate add of two gradients). Saves h and rstd."""
+
+    @staticmethod
+    def forward(ctx, residual, x, weight, eps):
+        shape, D = x.shape, x.shape[-1]
+        x2, r2 = x.reshape(-1, D).contiguous(), residual.reshape(-1, D).contiguous()
+        R = x2.shape[0]
+        h = torch.empty(R, D, dtype=torch.promote_types(residual.dtype, x.dtype), device=x.device)
+        y = torch.empty_like(h)
+        rstd = torch.empty(R, dtype=torch.float32, device=x.device)
+        block_r, block_d, num_warps = _row_tile(D)
+        if R:
+            _rms_fwd_kernel[(triton.cdiv(R, block_r),)](
+                x2, x2, weight, y, rstd, r2, h, R, D, eps,
+                BLOCK_R=block_r, BLOCK_D=block_d, HAS_GATE=False, HAS_RES=True, num_warps=num_warps)
+        ctx.save_for_backward(h, weight, rstd)
+        ctx.shape, ctx.dtypes = shape, (residual.dtype, x.dtype)
+        ctx.set_materialize_grads(False)
+        return h.view(shape), y.view(shape)
+
+    @staticmethod
+    def backward(ctx, dh, dy):
+        h, weight, rstd = ctx.saved_tensors
+        R, D = h.shape
+        if dy is None:
+            dx, dw = (torch.zeros_like(h) if dh is None else dh.reshape(R, D)), None
+        else:
+            dy2 = dy.reshape(R, D).contiguous()
+            dres = dh.reshape(R, D).contiguous() if dh is not None else None
+            dx = torch.empty_like(h)
+            block_r, block_d, num_warps = _row_tile(D)
+            n_tiles = triton.cdiv(R, block_r)
+            programs = persistent_programs(h.device, n_tiles)
+            dw = torch.empty(programs, D, dtype=torch.float32, device=h.device)
+            _rms_bwd_kernel[(programs,)](
+                h, h, weight, dy2, dx, dx, rstd, dw, dx if dres is None else dres, R, D, n_tiles,
+                BLOCK_R=block_r, BLOCK_D=block_d, HAS_GATE=False, HAS_DRES=dres is not None,
+                num_warps=2 * num_warps)
+            dw = dw.sum(0).to(weight.dtype)
+        dx = dx.view(ctx.shape)
+        return dx.to(ctx.dtypes[0]), dx.to(ctx.dtypes[1]), dw, None
 
 
 def l2norm_fwd(x, eps):
@@ -305,6 +372,17 @@ def rms_norm(x, weight, eps=1e-6, backend=None):
     if use_triton(backend, x):
         return _RMSNormFn.apply(x, weight, None, eps)
     return rms_norm_torch(x, weight, eps)
+
+
+def add_rms_norm(residual, x, weight, eps=1e-6, backend=None):
+    """``(h, RMSNorm(h))`` with ``h = residual + x`` (``[..., D]``, h in their promoted dtype, the norm's output in
+    h's): a sublayer's residual add and the next sublayer's norm, one kernel each way on the Triton path."""
+    _check_norm(x, weight)
+    if residual.shape != x.shape:
+        raise ValueError(f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
+    if use_triton(backend, x):
+        return _AddRMSNormFn.apply(residual, x, weight, eps)
+    return add_rms_norm_torch(residual, x, weight, eps)
 
 
 def gated_rms_norm(o, weight, gate, eps=1e-6, backend=None):

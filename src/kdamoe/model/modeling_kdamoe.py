@@ -36,7 +36,7 @@ from .caches import CACHE_FIELD, KDAMoECache, KDAMoEStaticCache
 from .configuration_kdamoe import KDAMoEConfig
 from .context_parallel import ContextParallel, RowShard
 from .decode_graphs import graphed_decode_step
-from .fused_norm import gated_rms_norm, rms_norm
+from .fused_norm import add_rms_norm, gated_rms_norm, rms_norm
 from .kda import chunk_kda, recurrent_kda
 from .kda_decode import kda_decode_step
 from .loss import linear_cross_entropy
@@ -420,13 +420,17 @@ class KDAMoEAttention(nn.Module):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+def _plain(norm: nn.Module) -> bool:
+    """A `KDAMoERMSNorm` without hooks, which a fused op may compute from its weight (hooks would be bypassed)."""
+    return type(norm) is KDAMoERMSNorm and not (norm._forward_hooks or norm._forward_pre_hooks)
+
+
 def normed_input(state: ResidualState, depth_attention: DepthAttention | None, norm: KDAMoERMSNorm,
                  keep_input: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`(norm(h), h or None)` for the input h that `state` gives a sublayer (or the final norm). Depth attention and a
     plain norm (no hooks, which the fused op would bypass) run as one op, which never writes h nor keeps it for the
     backward (h is None then, unless `keep_input`)."""
-    plain = type(norm) is KDAMoERMSNorm and not (norm._forward_hooks or norm._forward_pre_hooks)
-    if depth_attention is not None and plain and not keep_input:
+    if depth_attention is not None and _plain(norm) and not keep_input:
         return depth_attention(state.sources(), norm=(norm.weight, norm.eps)), None
     h = state.read(depth_attention)
     return norm(h), h
@@ -483,9 +487,12 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
         else:
             x = self.mixer(x, attention_mask=attention_mask, cache=cache, packed=packed, positions=positions,
                            shard=shard)
-        state = state.add(x, close_block=self.close_block_after_mixer)
-
-        x = normed_input(state, self.ffn_attn_res, self.ffn_norm, keep_input=False)[0]
+        if self.ffn_attn_res is None and _plain(self.ffn_norm):  # the standard residual's add and the ffn's norm
+            h, x = add_rms_norm(state.partial, x, self.ffn_norm.weight, self.ffn_norm.eps)
+            state = ResidualState(state.completed, h)
+        else:
+            state = state.add(x, close_block=self.close_block_after_mixer)
+            x = normed_input(state, self.ffn_attn_res, self.ffn_norm, keep_input=False)[0]
         router_logits = aux_loss = None
         if self.is_moe:
             x, router_logits, aux_loss = self.ffn(x, token_mask=token_mask)
