@@ -232,19 +232,29 @@ def assert_close_bf16(got, want, name=""):
 @gpu_only
 def test_compiled_training_step_on_cuda_matches_eager_bf16():
     """bf16 weights on CUDA, Inductor: the Triton kernels (KDA chunk, norms, short conv, depth attention, MoE
-    grouped GEMM path, fused loss) run inside the compiled graph; loss and gradients within bf16 tolerance."""
-    model = make_model(fuse_linear_cross_entropy=True).to("cuda", torch.bfloat16).train()
-    eager = copy.deepcopy(model)
+    grouped GEMM path, fused loss) run inside the compiled graph. Compiled and eager bf16 round differently, and a
+    rounding can flip a near-tie of the MoE router, which moves every gradient upstream of it (in bf16 both land
+    up to ~80 % away from the fp32 model's gradients of the gate and router parameters of this tiny model): so each
+    is measured against the eager fp32 step, and the compiled step must be no further from it than twice eager
+    bf16's error (the loss within bf16 tolerance of eager bf16's)."""
+    model = make_model(fuse_linear_cross_entropy=True).to("cuda").train()
     ids = torch.randint(3, 97, (2, 80), device="cuda")  # two KDA chunks
-    out = torch.compile(model, fullgraph=True)(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
-    out.loss.backward()
-    ref = eager(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
-    ref.loss.backward()
-    assert_close_bf16(out.loss, ref.loss, "loss")
-    got, want = grads(model), grads(eager)
-    assert got.keys() == want.keys()
-    for name in want:
-        assert_close_bf16(got[name], want[name], name)
+
+    def step(m, compiled):
+        run = torch.compile(m, fullgraph=True) if compiled else m
+        out = run(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+        out.loss.backward()
+        return out.loss, {name: g.float() for name, g in grads(m).items()}
+
+    ref_loss, ref = step(copy.deepcopy(model), compiled=False)
+    eager_loss, eager = step(copy.deepcopy(model).to(torch.bfloat16), compiled=False)
+    loss, got = step(copy.deepcopy(model).to(torch.bfloat16), compiled=True)
+    assert_close_bf16(loss, eager_loss, "loss")
+    assert got.keys() == eager.keys() == ref.keys()
+    for name, want in ref.items():
+        assert torch.isfinite(got[name]).all(), name
+        err, eager_err = ((g - want).norm() / (want.norm() + 1e-6) for g in (got[name], eager[name]))
+        assert err <= 2 * eager_err + 0.02, f"{name}: {err:.3f} against eager bf16's {eager_err:.3f}"
 
 
 @gpu_only

@@ -37,8 +37,10 @@ CHUNK_LOGITS = 1 << 26
 def _accumulate_product(acc, a, b):
     """``acc += a @ b``. On CUDA with a 16-bit ``a`` and an fp32 ``acc`` (the weight's gradient across chunks)
     the GEMM adds into acc in its epilogue (cuBLAS, ``out_dtype``): the fp32 sum of products is never rounded to
-    16 bits, and no ``[V, D]`` product is written and read back by a separate add."""
-    if acc.is_cuda and acc.dtype == torch.float32 and a.dtype in (torch.float16, torch.bfloat16):
+    16 bits, and no ``[V, D]`` product is written and read back by a separate add. Under torch.compile the plain
+    expression (torch 2.11's fake-tensor rule for ``addmm(..., out_dtype=, out=)`` fails)."""
+    fused = acc.is_cuda and acc.dtype == torch.float32 and a.dtype in (torch.float16, torch.bfloat16)
+    if fused and not torch.compiler.is_compiling():
         with torch.autocast("cuda", enabled=False):  # b in a's dtype, as autocast would cast it for a @ b
             torch.addmm(acc, a, b.to(a.dtype), out_dtype=torch.float32, out=acc)
     else:
