@@ -229,6 +229,39 @@ if triton is not None:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def _rms_fwd(x2, weight, eps, out_dtype, g2=None, r2=None):
+    """The forward kernel on ``[R, D]`` rows: ``(y, rstd, h)``; with ``r2`` the rows are ``h = r2 + x2`` (h written,
+    in their promoted dtype; else None), with ``g2`` gated."""
+    R, D = x2.shape
+    h = torch.empty(R, D, dtype=torch.promote_types(r2.dtype, x2.dtype), device=x2.device) if r2 is not None else None
+    y = torch.empty(R, D, dtype=out_dtype, device=x2.device)
+    rstd = torch.empty(R, dtype=torch.float32, device=x2.device)
+    block_r, block_d, num_warps = _row_tile(D)
+    if R:
+        _rms_fwd_kernel[(triton.cdiv(R, block_r),)](
+            x2, x2 if g2 is None else g2, weight, y, rstd, x2 if r2 is None else r2, x2 if h is None else h, R, D,
+            eps, BLOCK_R=block_r, BLOCK_D=block_d, HAS_GATE=g2 is not None, HAS_RES=r2 is not None,
+            num_warps=num_warps)
+    return y, rstd, h
+
+
+def _rms_bwd(x2, weight, dy2, rstd, g2=None, dres=None):
+    """The backward kernel on ``[R, D]`` rows (x2 the normalised input): ``(dx, dweight, dgate or None)``, dx plus
+    ``dres`` when given."""
+    R, D = x2.shape
+    dx = torch.empty_like(x2)
+    dg = torch.empty_like(g2) if g2 is not None else None
+    block_r, block_d, num_warps = _row_tile(D)
+    n_tiles = triton.cdiv(R, block_r)
+    programs = persistent_programs(x2.device, n_tiles)
+    dw = torch.empty(programs, D, dtype=torch.float32, device=x2.device)
+    _rms_bwd_kernel[(programs,)](
+        x2, x2 if g2 is None else g2, weight, dy2, dx, dx if dg is None else dg, rstd, dw,
+        dx if dres is None else dres, R, D, n_tiles, BLOCK_R=block_r, BLOCK_D=block_d, HAS_GATE=g2 is not None,
+        HAS_DRES=dres is not None, num_warps=2 * num_warps)
+    return dx, dw.sum(0).to(weight.dtype), dg
+
+
 class _RMSNormFn(torch.autograd.Function):
     """RMSNorm (``gate`` None) or gated RMSNorm over the last dim; saves x, gate and rstd."""
 
@@ -237,15 +270,8 @@ class _RMSNormFn(torch.autograd.Function):
         shape, D = x.shape, x.shape[-1]
         x2 = x.reshape(-1, D).contiguous()
         g2 = gate.reshape(-1, D).contiguous() if gate is not None else None
-        R = x2.shape[0]
         out_dtype = x.dtype if gate is None else torch.promote_types(x.dtype, gate.dtype)
-        y = torch.empty(R, D, dtype=out_dtype, device=x.device)
-        rstd = torch.empty(R, dtype=torch.float32, device=x.device)
-        block_r, block_d, num_warps = _row_tile(D)
-        if R:
-            _rms_fwd_kernel[(triton.cdiv(R, block_r),)](
-                x2, x2 if g2 is None else g2, weight, y, rstd, x2, x2, R, D, eps,
-                BLOCK_R=block_r, BLOCK_D=block_d, HAS_GATE=gate is not None, HAS_RES=False, num_warps=num_warps)
+        y, rstd, _ = _rms_fwd(x2, weight, eps, out_dtype, g2=g2)
         ctx.save_for_backward(x2, weight, g2, rstd)
         ctx.shape = shape
         return y.view(shape)
@@ -253,19 +279,9 @@ class _RMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x2, weight, g2, rstd = ctx.saved_tensors
-        R, D = x2.shape
-        dy2 = dy.reshape(R, D).contiguous()
-        dx = torch.empty_like(x2)
-        dg = torch.empty_like(g2) if g2 is not None else None
-        block_r, block_d, num_warps = _row_tile(D)
-        n_tiles = triton.cdiv(R, block_r)
-        programs = persistent_programs(x2.device, n_tiles)
-        dw = torch.empty(programs, D, dtype=torch.float32, device=x2.device)
-        _rms_bwd_kernel[(programs,)](
-            x2, x2 if g2 is None else g2, weight, dy2, dx, dx if dg is None else dg, rstd, dw, dx, R, D, n_tiles,
-            BLOCK_R=block_r, BLOCK_D=block_d, HAS_GATE=g2 is not None, HAS_DRES=False, num_warps=2 * num_warps)
+        dx, dw, dg = _rms_bwd(x2, weight, dy.reshape(x2.shape).contiguous(), rstd, g2=g2)
         shape = ctx.shape
-        return dx.view(shape), dw.sum(0).to(weight.dtype), None if dg is None else dg.view(shape), None
+        return dx.view(shape), dw, None if dg is None else dg.view(shape), None
 
 
 class _AddRMSNormFn(torch.autograd.Function):
@@ -277,15 +293,7 @@ class _AddRMSNormFn(torch.autograd.Function):
     def forward(ctx, residual, x, weight, eps):
         shape, D = x.shape, x.shape[-1]
         x2, r2 = x.reshape(-1, D).contiguous(), residual.reshape(-1, D).contiguous()
-        R = x2.shape[0]
-        h = torch.empty(R, D, dtype=torch.promote_types(residual.dtype, x.dtype), device=x.device)
-        y = torch.empty_like(h)
-        rstd = torch.empty(R, dtype=torch.float32, device=x.device)
-        block_r, block_d, num_warps = _row_tile(D)
-        if R:
-            _rms_fwd_kernel[(triton.cdiv(R, block_r),)](
-                x2, x2, weight, y, rstd, r2, h, R, D, eps,
-                BLOCK_R=block_r, BLOCK_D=block_d, HAS_GATE=False, HAS_RES=True, num_warps=num_warps)
+        y, rstd, h = _rms_fwd(x2, weight, eps, torch.promote_types(residual.dtype, x.dtype), r2=r2)
         ctx.save_for_backward(h, weight, rstd)
         ctx.shape, ctx.dtypes = shape, (residual.dtype, x.dtype)
         ctx.set_materialize_grads(False)
@@ -294,22 +302,11 @@ class _AddRMSNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dh, dy):
         h, weight, rstd = ctx.saved_tensors
-        R, D = h.shape
         if dy is None:
-            dx, dw = (torch.zeros_like(h) if dh is None else dh.reshape(R, D)), None
+            dx, dw = (torch.zeros_like(h) if dh is None else dh.reshape(h.shape)), None
         else:
-            dy2 = dy.reshape(R, D).contiguous()
-            dres = dh.reshape(R, D).contiguous() if dh is not None else None
-            dx = torch.empty_like(h)
-            block_r, block_d, num_warps = _row_tile(D)
-            n_tiles = triton.cdiv(R, block_r)
-            programs = persistent_programs(h.device, n_tiles)
-            dw = torch.empty(programs, D, dtype=torch.float32, device=h.device)
-            _rms_bwd_kernel[(programs,)](
-                h, h, weight, dy2, dx, dx, rstd, dw, dx if dres is None else dres, R, D, n_tiles,
-                BLOCK_R=block_r, BLOCK_D=block_d, HAS_GATE=False, HAS_DRES=dres is not None,
-                num_warps=2 * num_warps)
-            dw = dw.sum(0).to(weight.dtype)
+            dres = dh.reshape(h.shape).contiguous() if dh is not None else None
+            dx, dw, _ = _rms_bwd(h, weight, dy.reshape(h.shape).contiguous(), rstd, dres=dres)
         dx = dx.view(ctx.shape)
         return dx.to(ctx.dtypes[0]), dx.to(ctx.dtypes[1]), dw, None
 

@@ -88,13 +88,12 @@ class _FusedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, widths, rows, *weights):
+        pad = -sum(widths) % 16
+        w_run = torch.cat([*weights, weights[0].new_zeros(pad, weights[0].shape[1])] if pad else weights)
+        x_run = x
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
-            x_run, w_run = x.to(dtype), torch.cat(weights).to(dtype)
-        else:
-            x_run, w_run = x, torch.cat(weights)
-        if pad := -sum(widths) % 16:
-            w_run = torch.cat([w_run, w_run.new_zeros(pad, w_run.shape[1])])
+            x_run, w_run = x.to(dtype), w_run.to(dtype)
         ctx.save_for_backward(x_run, w_run)
         ctx.widths, ctx.rows, ctx.x_dtype = widths, rows, x.dtype
         ctx.w_dtypes = [w.dtype for w in weights]
