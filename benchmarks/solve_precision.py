@@ -1,9 +1,12 @@
-"""How precisely the chunk solve ``T = (I + A_kk)^-1`` comes out with its dots in tf32, in fp32, and stored in bf16.
+"""How precisely the chunk solve ``T = (I + A_kk)^-1`` comes out with its dots in tf32, tf32x3, fp32, and stored in
+bf16.
 
 The KDA forward inverts each chunk's unit lower-triangular ``I + A_kk`` (``kda_chunk_intra._solve``): 16 x 16 diagonal
 blocks by the nilpotent product ``(I − L)(I + L²)(I + L⁴)(I + L⁸)``, then block forward substitution. This script
 runs that algorithm in torch with every dot's inputs rounded to tf32 (10 mantissa bits, what ``tl.dot(...,
-input_precision="tf32")`` feeds the tensor cores) or kept in fp32 (``"ieee"``), on chunks of keys that share a few
+input_precision="tf32")`` feeds the tensor cores), split into a tf32 high and low part of which the three products
+that matter are summed (``"tf32x3"``, the kernel's setting: three tensor-core products) or kept in fp32 (``"ieee"``,
+FMA), on chunks of keys that share a few
 directions (as a trained model's do; random keys give a well-conditioned ``A_kk``), and reports the error of T
 against the float64 inverse relative to T's largest entry. CPU only, seconds.
 
@@ -30,6 +33,10 @@ def dot(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
     ``precision``."""
     if precision == "tf32":
         a, b = round_tf32(a), round_tf32(b)
+    if precision == "tf32x3":  # a_hi b_hi + a_hi b_lo + a_lo b_hi (a_lo b_lo is below fp32's rounding)
+        ah, bh = round_tf32(a), round_tf32(b)
+        al, bl = round_tf32(a - ah), round_tf32(b - bh)
+        return (ah.double() @ bh.double() + ah.double() @ bl.double() + al.double() @ bh.double()).float()
     return (a.double() @ b.double()).float()
 
 
@@ -76,16 +83,16 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None, help="results JSON")
     args = p.parse_args()
     gen = torch.Generator().manual_seed(args.seed)
-    errors = {"tf32 dots": [], "fp32 dots": [], "fp32 dots, stored bf16": []}
+    errors = {"tf32 dots": [], "tf32x3 dots": [], "fp32 dots": [], "tf32x3 dots, stored bf16": []}
     largest = []
     for _ in range(args.chunks):
         akk = correlated_chunk(gen, args.head_dim, args.directions, args.noise)
         ref = torch.linalg.inv(torch.eye(CHUNK, dtype=torch.float64) + akk)
         scale = ref.abs().max()
         largest.append(float(scale))
-        fp32 = solve(akk.float(), "ieee")
-        for name, t in (("tf32 dots", solve(akk.float(), "tf32")), ("fp32 dots", fp32),
-                        ("fp32 dots, stored bf16", fp32.bfloat16())):
+        x3 = solve(akk.float(), "tf32x3")
+        for name, t in (("tf32 dots", solve(akk.float(), "tf32")), ("tf32x3 dots", x3),
+                        ("fp32 dots", solve(akk.float(), "ieee")), ("tf32x3 dots, stored bf16", x3.bfloat16())):
             errors[name].append(float((t.double() - ref).abs().max() / scale))
     rows = []
     print(f"{args.chunks} chunks, head dim {args.head_dim}, largest |T| entry median "

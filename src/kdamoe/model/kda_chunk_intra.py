@@ -19,11 +19,12 @@ from .kda_kernel_utils import CHUNK, _exp, _put, _row_rstd
 
 @triton.jit
 def _dot(a, b):
-    """The solve's 16 x 16 dots, in full fp32 (FMA, not tf32 tensor cores) for any storage dtype of T: the nilpotent
-    product cancels large terms, so on a trained model's correlated keys tf32 inputs leave T off by ~2 % of its
-    largest entry (fp32: ~1e-6), which the bf16 chunk-state recurrence can amplify until its states overflow. ~0.2
-    MFLOP a chunk and head."""
-    return tl.dot(a, b, input_precision="ieee")
+    """The solve's 16 x 16 dots at fp32 precision for any storage dtype of T, on tensor cores: ``tf32x3`` (each
+    operand split into a tf32 high and low part, three products). The nilpotent product cancels large terms, so on a
+    trained model's correlated keys plain tf32 inputs leave T off by ~2 % of its largest entry (tf32x3: ~5e-6, fp32
+    FMA: ~2e-6), which the bf16 chunk-state recurrence can amplify until its states overflow. fp32 FMA (``ieee``)
+    is as precise and runs the one-warp intra kernel 1.5x slower."""
+    return tl.dot(a, b, input_precision="tf32x3")
 
 
 @triton.jit
