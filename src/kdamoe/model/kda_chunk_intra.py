@@ -43,7 +43,7 @@ def _inv_unit_lower(lo):
 def _solve(tinv_ptr, a00, a10, a11, a20, a21, a22, a30, a31, a32, a33, s, e, h, H):
     """``T = (I + A_kk)^-1`` of one chunk from the 16 x 16 blocks of its strictly lower ``A_kk`` (times β):
     diagonal blocks by a nilpotent product, then block forward substitution ``T_IJ = −T_II Σ_{J<=M<I} A_IM T_MJ``
-    (``_dot``: fp32 FMA). Every block of T is written."""
+    (``_dot``: fp32 precision on tensor cores). Every block of T is written."""
     d0 = _inv_unit_lower(a00)
     d1 = _inv_unit_lower(a11)
     d2 = _inv_unit_lower(a22)
