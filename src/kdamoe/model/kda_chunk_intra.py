@@ -19,11 +19,11 @@ from .kda_kernel_utils import CHUNK, _exp, _put, _row_rstd
 
 @triton.jit
 def _dot(a, b):
-    """The solve's 16 x 16 dots at fp32 precision for any storage dtype of T, on tensor cores: ``tf32x3`` (each
+    """The solve's 16 x 16 dots near fp32 precision for any storage dtype of T, on tensor cores: ``tf32x3`` (each
     operand split into a tf32 high and low part, three products). The nilpotent product cancels large terms, so on a
     trained model's correlated keys plain tf32 inputs leave T off by ~2 % of its largest entry (tf32x3: ~5e-6, fp32
-    FMA: ~2e-6), which the bf16 chunk-state recurrence can amplify until its states overflow. fp32 FMA (``ieee``)
-    is as precise and runs the one-warp intra kernel 1.5x slower."""
+    FMA: ~2e-6; T's bf16 storage: 2e-3), which the bf16 chunk-state recurrence can amplify until its states
+    overflow. fp32 FMA (``ieee``) runs the one-warp intra kernel 1.5x slower."""
     return tl.dot(a, b, input_precision="tf32x3")
 
 
@@ -43,7 +43,7 @@ def _inv_unit_lower(lo):
 def _solve(tinv_ptr, a00, a10, a11, a20, a21, a22, a30, a31, a32, a33, s, e, h, H):
     """``T = (I + A_kk)^-1`` of one chunk from the 16 x 16 blocks of its strictly lower ``A_kk`` (times β):
     diagonal blocks by a nilpotent product, then block forward substitution ``T_IJ = −T_II Σ_{J<=M<I} A_IM T_MJ``
-    (``_dot``: fp32 precision on tensor cores). Every block of T is written."""
+    (``_dot``: near fp32 precision on tensor cores). Every block of T is written."""
     d0 = _inv_unit_lower(a00)
     d1 = _inv_unit_lower(a11)
     d2 = _inv_unit_lower(a22)
