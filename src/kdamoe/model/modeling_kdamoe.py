@@ -435,6 +435,18 @@ def normed_input(state: ResidualState, depth_attention: DepthAttention | None, n
     return norm(h), h
 
 
+def add_and_norm(state: ResidualState, output: torch.Tensor, close_block: bool,
+                 depth_attention: DepthAttention | None, norm: KDAMoERMSNorm) -> tuple[ResidualState, torch.Tensor]:
+    """`state.add(output, close_block)` and the next sublayer's normed input (`normed_input`). With the standard
+    residual and a plain norm the add and the norm run as one op (`add_rms_norm`), which writes h beside the norm's
+    output and adds h's gradient into the norm's in its backward."""
+    if depth_attention is None and not state.completed and _plain(norm):
+        h, normed = add_rms_norm(state.partial, output, norm.weight, norm.eps)
+        return ResidualState(state.completed, h), normed
+    state = state.add(output, close_block)
+    return state, normed_input(state, depth_attention, norm, keep_input=False)[0]
+
+
 class KDAMoEDecoderLayer(GradientCheckpointingLayer):
     """`mixer` (KDA or attention) then `ffn` (dense MLP or MoE), each a PreNorm sublayer whose input comes from the
     residual stream or from depth attention over block sources (`residual_mode`)."""
@@ -486,12 +498,7 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
         else:
             x = self.mixer(x, attention_mask=attention_mask, cache=cache, packed=packed, positions=positions,
                            shard=shard)
-        if self.ffn_attn_res is None and _plain(self.ffn_norm):  # the standard residual's add and the ffn's norm
-            h, x = add_rms_norm(state.partial, x, self.ffn_norm.weight, self.ffn_norm.eps)
-            state = ResidualState(state.completed, h)
-        else:
-            state = state.add(x, close_block=self.close_block_after_mixer)
-            x = normed_input(state, self.ffn_attn_res, self.ffn_norm, keep_input=False)[0]
+        state, x = add_and_norm(state, x, self.close_block_after_mixer, self.ffn_attn_res, self.ffn_norm)
         router_logits = aux_loss = None
         if self.is_moe:
             x, router_logits, aux_loss = self.ffn(x, token_mask=token_mask)
