@@ -4,9 +4,9 @@ bf16.
 The KDA forward inverts each chunk's unit lower-triangular ``I + A_kk`` (``kda_chunk_intra._solve``): 16 x 16 diagonal
 blocks by the nilpotent product ``(I − L)(I + L²)(I + L⁴)(I + L⁸)``, then block forward substitution. This script
 runs that algorithm in torch with every dot's inputs rounded to tf32 (10 mantissa bits, what ``tl.dot(...,
-input_precision="tf32")`` feeds the tensor cores), split into a tf32 high and low part of which the three products
-that matter are summed (``"tf32x3"``, the kernel's setting: three tensor-core products) or kept in fp32 (``"ieee"``,
-FMA), on chunks of keys that share a few directions (as a trained model's do; random keys give a well-conditioned
+input_precision="tf32")`` feeds the tensor cores), split into a tf32 high part and the remainder of which the three
+products that matter are summed (``"tf32x3"``, the kernel's ``_dot``: three tensor-core products, the high parts
+rounded, the remainders truncated to tf32 by the tensor cores) or kept in fp32 (``"ieee"``, FMA), on chunks of keys that share a few directions (as a trained model's do; random keys give a well-conditioned
 ``A_kk``), and reports the error of T against the float64 inverse relative to T's largest entry. CPU only, seconds.
 
     PYTHONPATH=src python benchmarks/solve_precision.py --chunks 128 --out solve_precision.json
@@ -27,6 +27,11 @@ def round_tf32(x: torch.Tensor) -> torch.Tensor:
     return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
 
 
+def truncate_tf32(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` cut to 10 mantissa bits (tf32) toward zero, as the tensor cores read an fp32 operand."""
+    return (x.float().view(torch.int32) & ~0x1FFF).view(torch.float32)
+
+
 def dot(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
     """``a @ b`` with fp32 accumulation (float64 here, exact for 16-term sums of tf32 products) of inputs in
     ``precision``."""
@@ -34,7 +39,7 @@ def dot(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
         a, b = round_tf32(a), round_tf32(b)
     if precision == "tf32x3":  # a_hi b_hi + a_hi b_lo + a_lo b_hi (a_lo b_lo is below fp32's rounding)
         ah, bh = round_tf32(a), round_tf32(b)
-        al, bl = round_tf32(a - ah), round_tf32(b - bh)
+        al, bl = truncate_tf32(a - ah), truncate_tf32(b - bh)
         return (ah.double() @ bh.double() + ah.double() @ bl.double() + al.double() @ bh.double()).float()
     return (a.double() @ b.double()).float()
 

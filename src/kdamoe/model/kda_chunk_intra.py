@@ -18,13 +18,25 @@ from .kda_kernel_utils import CHUNK, _exp, _put, _row_rstd
 
 
 @triton.jit
-def _dot(a, b):
-    """The solve's 16 x 16 dots near fp32 precision for any storage dtype of T, on tensor cores: ``tf32x3`` (each
-    operand split into a tf32 high and low part, three products). The nilpotent product cancels large terms, so on a
-    trained model's correlated keys plain tf32 inputs leave T off by ~2 % of its largest entry (tf32x3: ~5e-6, fp32
-    FMA: ~2e-6; T's bf16 storage: 2e-3), which the bf16 chunk-state recurrence can amplify until its states
-    overflow. fp32 FMA (``ieee``) runs the one-warp intra kernel 1.5x slower."""
-    return tl.dot(a, b, input_precision="tf32x3")
+def _dot(a, b, acc):
+    """``acc + a b`` for the solve's 16 x 16 blocks near fp32 precision for any storage dtype of T, on tensor cores:
+    tf32x3 by hand, each operand split into its tf32 rounding and the remainder, three tf32 products chained through
+    the one accumulator (the remainders truncated to tf32 by the tensor cores: ~2^-21 relative). Triton's
+    ``input_precision="tf32x3"`` also zeroes NaN products and adds the three apart (T's inputs are finite): its
+    one-warp intra kernel runs 6 % longer. The nilpotent product cancels large terms, so on a trained model's
+    correlated keys plain tf32 inputs leave T off by ~2 % of its largest entry (tf32x3: ~5e-6, fp32 FMA: ~2e-6; T's
+    bf16 storage: 2e-3), which the bf16 chunk-state recurrence can amplify until its states overflow. fp32 FMA
+    (``ieee``) runs the intra kernel 1.5x slower."""
+    ah, bh = _tf32_hi(a), _tf32_hi(b)
+    acc = tl.dot(a - ah, bh, acc, input_precision="tf32")
+    acc = tl.dot(ah, b - bh, acc, input_precision="tf32")
+    return tl.dot(ah, bh, acc, input_precision="tf32")
+
+
+@triton.jit
+def _tf32_hi(x):
+    """fp32 ``x`` rounded to nearest (ties away) at tf32's 10 mantissa bits, as fp32."""
+    return ((x.to(tl.int32, bitcast=True) + 0x1000) & -0x2000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -32,29 +44,31 @@ def _inv_unit_lower(lo):
     """``(I + L)^-1`` of a strictly lower 16 x 16 ``L``: ``(I − L)(I + L²)(I + L⁴)(I + L⁸)``, exact as L^16 = 0."""
     r = tl.arange(0, 16)
     x = tl.where(r[:, None] == r[None, :], 1.0, 0.0) - lo
-    l2 = _dot(lo, lo)
-    x += _dot(x, l2)
-    l4 = _dot(l2, l2)
-    x += _dot(x, l4)
-    return x + _dot(x, _dot(l4, l4))
+    zero = tl.zeros((16, 16), dtype=tl.float32)
+    l2 = _dot(lo, lo, zero)
+    x = _dot(x, l2, x)
+    l4 = _dot(l2, l2, zero)
+    x = _dot(x, l4, x)
+    return _dot(x, _dot(l4, l4, zero), x)
 
 
 @triton.jit
 def _solve(tinv_ptr, a00, a10, a11, a20, a21, a22, a30, a31, a32, a33, s, e, h, H):
     """``T = (I + A_kk)^-1`` of one chunk from the 16 x 16 blocks of its strictly lower ``A_kk`` (times β):
     diagonal blocks by a nilpotent product, then block forward substitution ``T_IJ = −T_II Σ_{J<=M<I} A_IM T_MJ``
-    (``_dot``: near fp32 precision on tensor cores). Every block of T is written."""
+    (``_dot``: near fp32 precision on tensor cores; each sum accumulated through the dots). Every block of T is
+    written."""
     d0 = _inv_unit_lower(a00)
     d1 = _inv_unit_lower(a11)
     d2 = _inv_unit_lower(a22)
     d3 = _inv_unit_lower(a33)
-    t10 = -_dot(d1, _dot(a10, d0))
-    t21 = -_dot(d2, _dot(a21, d1))
-    t32 = -_dot(d3, _dot(a32, d2))
-    t20 = -_dot(d2, _dot(a20, d0) + _dot(a21, t10))
-    t31 = -_dot(d3, _dot(a31, d1) + _dot(a32, t21))
-    t30 = -_dot(d3, _dot(a30, d0) + _dot(a31, t10) + _dot(a32, t20))
     zero = tl.zeros((16, 16), dtype=tl.float32)
+    t10 = -_dot(d1, _dot(a10, d0, zero), zero)
+    t21 = -_dot(d2, _dot(a21, d1, zero), zero)
+    t32 = -_dot(d3, _dot(a32, d2, zero), zero)
+    t20 = -_dot(d2, _dot(a21, t10, _dot(a20, d0, zero)), zero)
+    t31 = -_dot(d3, _dot(a32, t21, _dot(a31, d1, zero)), zero)
+    t30 = -_dot(d3, _dot(a32, t20, _dot(a31, t10, _dot(a30, d0, zero))), zero)
     _put(tinv_ptr, d0, s, e, h, H, 0, 0)
     _put(tinv_ptr, zero, s, e, h, H, 0, 1)
     _put(tinv_ptr, zero, s, e, h, H, 0, 2)
