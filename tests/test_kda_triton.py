@@ -542,7 +542,7 @@ def test_gpu_solve_of_correlated_keys_is_exact_to_its_bf16_storage():
         dl=torch.zeros(NC, H, K, device=DEV), gam=torch.zeros(NC * 64, H, K, device=DEV))
     kda_chunk_fwd.prepare_chunks((q, k, v, g, beta), gate, K ** -0.5, False, tables, buf, None, intra=True)
     kc = k.double().view(NC, 64, H, K).transpose(1, 2)  # [NC, H, 64, K]
-    gam = buf.gam.double().view(NC, 64, H, K).transpose(1, 2)
+    gam = g.double().view(NC, 64, H, K).transpose(1, 2).cumsum(2)
     akk = (kc * gam.exp()) @ (kc * (-gam).exp()).transpose(-1, -2)
     akk = torch.tril(beta.double().view(NC, 64, H).transpose(1, 2)[..., None] * akk, -1)
     ref = torch.linalg.inv(torch.eye(64, dtype=torch.float64, device=DEV) + akk)
