@@ -6,8 +6,9 @@ blocks by the nilpotent product ``(I − L)(I + L²)(I + L⁴)(I + L⁸)``, then
 runs that algorithm in torch with every dot's inputs rounded to tf32 (10 mantissa bits, what ``tl.dot(...,
 input_precision="tf32")`` feeds the tensor cores), split into a tf32 high part and the remainder of which the three
 products that matter are summed (``"tf32x3"``, the kernel's ``_dot``: three tensor-core products, the high parts
-rounded, the remainders truncated to tf32 by the tensor cores) or kept in fp32 (``"ieee"``, FMA), on chunks of keys that share a few directions (as a trained model's do; random keys give a well-conditioned
-``A_kk``), and reports the error of T against the float64 inverse relative to T's largest entry. CPU only, seconds.
+rounded, the remainders truncated to tf32 by the tensor cores) or kept in fp32 (``"ieee"``, FMA), on chunks of keys
+that share a few directions (as a trained model's do; random keys give a well-conditioned ``A_kk``), and reports
+the error of T against the float64 inverse relative to T's largest entry. CPU only, seconds.
 
     PYTHONPATH=src python benchmarks/solve_precision.py --chunks 128 --out solve_precision.json
 """

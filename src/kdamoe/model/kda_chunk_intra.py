@@ -24,7 +24,7 @@ def _dot(a, b, acc):
     the one accumulator (the remainders truncated to tf32 by the tensor cores: ~2^-21 relative). Triton's
     ``input_precision="tf32x3"`` also zeroes NaN products and adds the three apart (T's inputs are finite): its
     one-warp intra kernel runs 6 % longer. The nilpotent product cancels large terms, so on a trained model's
-    correlated keys plain tf32 inputs leave T off by ~2 % of its largest entry (tf32x3: ~5e-6, fp32 FMA: ~2e-6; T's
+    correlated keys plain tf32 inputs leave T off by ~2 % of its largest entry (tf32x3: ~6e-6, fp32 FMA: ~2e-6; T's
     bf16 storage: 2e-3), which the bf16 chunk-state recurrence can amplify until its states overflow. fp32 FMA
     (``ieee``) runs the intra kernel 1.5x slower."""
     ah, bh = _tf32_hi(a), _tf32_hi(b)
