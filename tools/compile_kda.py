@@ -1,5 +1,6 @@
-"""Compile every KDA kernel launch of one forward+backward for an H100/H200 (sm_90) on a machine without a GPU, and
-print each kernel's registers, spill stack and shared memory: what limits occupancy and whether triton pipelined a
+"""Compile every KDA kernel launch of one forward+backward (or, ``--conv``, the short convolution's: forward, backward
+plain and with packed documents, the KDA layer's three-way split) for an H100/H200 (sm_90) on a machine without a GPU,
+and print each kernel's registers, spill stack and shared memory: what limits occupancy and whether triton pipelined a
 loop's loads (its shared memory grows with `num_stages` only then), before spending device time on a version.
 
 The host code runs on CPU tensors with every kernel launch recorded instead of run; each launch is then compiled
@@ -13,11 +14,13 @@ printed here equal Nsight Compute's on the H200.
     pip install --target /tmp/tr36 --no-deps triton==3.6.0
     PYTHONPATH=/tmp/tr36:src python tools/compile_kda.py [--dtype bf16] [--dim 128] [--heads 16] [--few] \
         [--launch '{"fwd_o": {"num_warps": 4}}'] [--slice '{"wu_k": 32}'] [--sass _intra_kernel [--lines 20]]
+    PYTHONPATH=/tmp/tr36:src python tools/compile_kda.py --conv --heads 8 [--launch '{"dpre": {"BT": 16}}'] \
+        [--sass _conv_dpre_kernel]          # C = 3 · heads · dim channels (the KDA layer's q | k | v)
 
 ``--sass KERNEL`` also prints that kernel's SASS opcode counts (static: an instruction in a loop counts once), by
 group — tensor-core MMAs, shared-memory traffic, barriers and shuffles, MUFU (exp, reciprocal), global loads and
 stores, local memory (spills) — to compare two versions of a kernel instruction by instruction without a GPU;
-``--lines N`` the N source lines (of the model folder's `kda_*.py` files) that compile to the most instructions (a
+``--lines N`` the N source lines (of the model folder's `kda_*.py` and `short_conv.py`) that compile to the most instructions (a
 loop body's lines run once per iteration, so weigh them by its trip count: in `_intra_kernel` the slice loop runs
 K/16 times, the solve once).
 """
@@ -37,7 +40,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
 from triton.compiler import ASTSource
 
-from kdamoe.model import kda_chunk, kda_launch
+from kdamoe.model import kda_chunk, kda_launch, short_conv
 
 MODEL_DIR = os.path.dirname(kda_launch.__file__)
 
@@ -94,13 +97,13 @@ SASS_GROUPS = {"mma": ("HMMA", "HGMMA"), "shared": ("LDS", "STS", "LDSM"), "sync
 
 
 def sass_by_line(compiled):
-    """{(file, line) of the model folder's kda_*.py files (None: no line info): Counter of opcodes (without
+    """{(file, line) of the model folder's kda_*.py and short_conv.py files (None: no line info): Counter of opcodes (without
     modifiers)} of the cubin's SASS (nvdisasm with the line information triton compiles in). A helper's line stands
     for every call inlined there."""
     out = cubin_tool(compiled, "nvdisasm", "-g")
     by_line, line_no = collections.defaultdict(collections.Counter), None
     for line in out.splitlines():
-        m = re.search(r'//## File "(?:.*/)?(kda_\w+\.py)", line (\d+)', line)
+        m = re.search(r'//## File "(?:.*/)?(kda_\w+\.py|short_conv\.py)", line (\d+)', line)
         if m:
             line_no = (m.group(1), int(m.group(2)))
         elif "//## File" in line:  # another file (triton's language helpers): keep the caller's line
@@ -136,28 +139,8 @@ def print_sass(name, by_line, lines):
             print("                 " + ", ".join(f"{op} {n}" for op, n in ops.most_common(6)))
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    ap.add_argument("--dim", type=int, default=128, help="head dim K = V")
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--gate", default="bounded", choices=["bounded", "softplus"])
-    ap.add_argument("--few", action="store_true", help="the launch settings for fewer loop programs than SMs")
-    ap.add_argument("--launch", default="{}", help='JSON overrides of kda_launch.LAUNCH, e.g. \'{"fwd_o": '
-                    '{"num_warps": 4}}\'')
-    ap.add_argument("--slice", default="{}", help="JSON overrides of kda_launch.SLICE")
-    ap.add_argument("--sass", metavar="KERNEL", help="also print this kernel's SASS opcode counts")
-    ap.add_argument("--lines", type=int, default=0, metavar="N",
-                    help="with --sass: the N source lines with the most SASS instructions, and their opcodes")
-    args = ap.parse_args()
-    launch, slices = json.loads(args.launch), json.loads(args.slice)
-    for given, known, flag in ((launch, kda_launch.LAUNCH, "--launch"), (slices, kda_launch.SLICE, "--slice")):
-        if set(given) - set(known):
-            ap.error(f"{flag}: unknown keys {sorted(set(given) - set(known))} (known: {sorted(known)})")
-    for name, cfg in launch.items():
-        kda_launch.LAUNCH[name] = {**kda_launch.LAUNCH[name], **cfg}
-    kda_launch.SLICE.update(slices)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+def record_kda(args, dtype):
+    """The KDA kernel launches of one bf16 forward+backward as the model calls the op, recorded."""
     H, D, T = args.heads, args.dim, 256
     launches = []
     # record the launches instead of running them, with the GPU's choices: the host modules import the kernels and
@@ -185,9 +168,62 @@ def main():
     o.backward(torch.randn_like(o))
     for module, name, value in replaced:
         setattr(module, name, value)
+    return launches
+
+
+def record_conv(args, dtype):
+    """The short convolution's launches in the KDA layer (W = 4, its q | k | v thirds): the forward, and the
+    backward of plain rows and of packed documents, recorded (persistent grids sized for 132 SMs)."""
+    launches, replaced = [], []
+    for name, value in list(vars(short_conv).items()):
+        if isinstance(value, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
+            replaced.append((name, value))
+            setattr(short_conv, name, Recorder(value, launches))
+    programs = short_conv.persistent_programs
+    short_conv.persistent_programs = lambda device, n, columns=1, per_sm=16: max(1, min(n, per_sm * 132 // columns))
+    C, T = 3 * args.heads * args.dim, 1024
+    x, w = torch.randn(1, T, C, dtype=dtype), torch.randn(C, 4, dtype=dtype)
+    short_conv.conv_silu_fwd(x, w, None, None, split=True)
+    dys = [torch.randn(1, T, C // 3, dtype=dtype) for _ in range(3)]
+    for cu in (None, torch.tensor([0, T // 2, T], dtype=torch.int32)):
+        short_conv.conv_silu_bwd(x, w, cu, None, dys)
+    short_conv.persistent_programs = programs
+    for name, value in replaced:
+        setattr(short_conv, name, value)
+    return launches
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--conv", action="store_true", help="the short convolution's kernels instead of KDA's")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--dim", type=int, default=128, help="head dim K = V")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--gate", default="bounded", choices=["bounded", "softplus"])
+    ap.add_argument("--few", action="store_true", help="the launch settings for fewer loop programs than SMs")
+    ap.add_argument("--launch", default="{}", help="JSON overrides of kda_launch.LAUNCH (--conv: short_conv.LAUNCH), "
+                    "e.g. '{\"fwd_o\": {\"num_warps\": 4}}'")
+    ap.add_argument("--slice", default="{}", help="JSON overrides of kda_launch.SLICE")
+    ap.add_argument("--sass", metavar="KERNEL", help="also print this kernel's SASS opcode counts")
+    ap.add_argument("--lines", type=int, default=0, metavar="N",
+                    help="with --sass: the N source lines with the most SASS instructions, and their opcodes")
+    args = ap.parse_args()
+    launch, slices = json.loads(args.launch), json.loads(args.slice)
+    launch_table = short_conv.LAUNCH if args.conv else kda_launch.LAUNCH
+    for given, known, flag in ((launch, launch_table, "--launch"), (slices, kda_launch.SLICE, "--slice")):
+        if set(given) - set(known):
+            ap.error(f"{flag}: unknown keys {sorted(set(given) - set(known))} (known: {sorted(known)})")
+    for name, cfg in launch.items():
+        launch_table[name] = {**launch_table[name], **cfg}
+    kda_launch.SLICE.update(slices)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    launches = record_conv(args, dtype) if args.conv else record_kda(args, dtype)
     target = GPUTarget("cuda", 90, 32)
-    print(f"triton {triton.__version__}, sm_90, {args.dtype}, H={H}, K=V={D}, {args.gate} gate,"
-          f" {'few' if args.few else 'many'}-program loop settings")
+    if args.conv:
+        print(f"triton {triton.__version__}, sm_90, {args.dtype}, C={3 * args.heads * args.dim}, W=4")
+    else:
+        print(f"triton {triton.__version__}, sm_90, {args.dtype}, H={args.heads}, K=V={args.dim}, {args.gate} gate,"
+              f" {'few' if args.few else 'many'}-program loop settings")
     print(f"{'kernel':22s} {'warps':>5s} {'stages':>6s} {'registers':>9s} {'stack B':>7s} {'shared B':>8s}")
     seen = set()
     for fn, a, kw in launches:
