@@ -20,12 +20,13 @@ printed here equal Nsight Compute's on the H200.
 ``--sass KERNEL`` also prints that kernel's SASS opcode counts (static: an instruction in a loop counts once), by
 group — tensor-core MMAs, shared-memory traffic, barriers and shuffles, MUFU (exp, reciprocal), global loads and
 stores, local memory (spills) — to compare two versions of a kernel instruction by instruction without a GPU;
-``--lines N`` the N source lines (of the model folder's `kda_*.py` and `short_conv.py`) that compile to the most instructions (a
-loop body's lines run once per iteration, so weigh them by its trip count: in `_intra_kernel` the slice loop runs
-K/16 times, the solve once).
+``--lines N`` the N source lines (of the model folder's `kda_*.py` and `short_conv.py`) that compile to the most
+instructions (a loop body's lines run once per iteration, so weigh them by its trip count: in `_intra_kernel` the
+slice loop runs K/16 times, the solve once).
 """
 import argparse
 import collections
+import contextlib
 import json
 import os
 import re
@@ -97,9 +98,9 @@ SASS_GROUPS = {"mma": ("HMMA", "HGMMA"), "shared": ("LDS", "STS", "LDSM"), "sync
 
 
 def sass_by_line(compiled):
-    """{(file, line) of the model folder's kda_*.py and short_conv.py files (None: no line info): Counter of opcodes (without
-    modifiers)} of the cubin's SASS (nvdisasm with the line information triton compiles in). A helper's line stands
-    for every call inlined there."""
+    """{(file, line) of the model folder's kda_*.py and short_conv.py files (None: no line info): Counter of opcodes
+    (without modifiers)} of the cubin's SASS (nvdisasm with the line information triton compiles in). A helper's line
+    stands for every call inlined there."""
     out = cubin_tool(compiled, "nvdisasm", "-g")
     by_line, line_no = collections.defaultdict(collections.Counter), None
     for line in out.splitlines():
@@ -139,17 +140,13 @@ def print_sass(name, by_line, lines):
             print("                 " + ", ".join(f"{op} {n}" for op, n in ops.most_common(6)))
 
 
-def record_kda(args, dtype):
-    """The KDA kernel launches of one bf16 forward+backward as the model calls the op, recorded."""
-    H, D, T = args.heads, args.dim, 256
-    launches = []
-    # record the launches instead of running them, with the GPU's choices: the host modules import the kernels and
-    # `lp` / `few_loop_programs` by name, so each is replaced in every KDA module that holds it (restored below)
-    stand_ins = ((kda_launch.lp, lambda x: True), (kda_launch.few_loop_programs, lambda *a: args.few))
+@contextlib.contextmanager
+def recording(modules, launches, stand_ins):
+    """Within the block, every ``*_kernel`` JIT function of ``modules`` records its launches into ``launches``
+    instead of running, and each ``(old, new)`` of ``stand_ins`` replaces ``old`` wherever a module holds it by name
+    (the host code's GPU choices); all restored after."""
     replaced = []
-    for module_name, module in list(sys.modules.items()):
-        if not module_name.startswith("kdamoe.model.kda"):
-            continue
+    for module in modules:
         for name, value in list(vars(module).items()):
             if isinstance(value, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
                 stand_in = Recorder(value, launches)
@@ -159,37 +156,44 @@ def record_kda(args, dtype):
                     continue
             replaced.append((module, name, value))
             setattr(module, name, stand_in)
-    q, k = (torch.randn(1, T, H, D, dtype=dtype) for _ in range(2))  # raw: the L2 norm in the kernels, as the model
-    v, g = torch.randn(1, T, H, D, dtype=dtype), torch.randn(1, T, H, D, dtype=dtype)
-    beta = torch.rand(1, T, H, dtype=dtype)
-    leaves = [x.requires_grad_() for x in (q, k, v, g, beta)]
-    o, _ = kda_chunk.chunk_kda_triton(*leaves, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
-                                      A_log=torch.zeros(H), dt_bias=torch.zeros(H * D), gate=args.gate)
-    o.backward(torch.randn_like(o))
-    for module, name, value in replaced:
-        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in replaced:
+            setattr(module, name, value)
+
+
+def record_kda(args, dtype):
+    """The KDA kernel launches of one bf16 forward+backward as the model calls the op, recorded with the GPU's
+    choices of `lp` and `few_loop_programs`."""
+    H, D, T = args.heads, args.dim, 256
+    launches = []
+    modules = [m for name, m in list(sys.modules.items()) if name.startswith("kdamoe.model.kda")]
+    stand_ins = ((kda_launch.lp, lambda x: True), (kda_launch.few_loop_programs, lambda *a: args.few))
+    with recording(modules, launches, stand_ins):
+        q, k = (torch.randn(1, T, H, D, dtype=dtype) for _ in range(2))  # raw: the L2 norm in the kernels
+        v, g = torch.randn(1, T, H, D, dtype=dtype), torch.randn(1, T, H, D, dtype=dtype)
+        beta = torch.rand(1, T, H, dtype=dtype)
+        leaves = [x.requires_grad_() for x in (q, k, v, g, beta)]
+        o, _ = kda_chunk.chunk_kda_triton(*leaves, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                          A_log=torch.zeros(H), dt_bias=torch.zeros(H * D), gate=args.gate)
+        o.backward(torch.randn_like(o))
     return launches
 
 
 def record_conv(args, dtype):
     """The short convolution's launches in the KDA layer (W = 4, its q | k | v thirds): the forward, and the
     backward of plain rows and of packed documents, recorded (persistent grids sized for 132 SMs)."""
-    launches, replaced = [], []
-    for name, value in list(vars(short_conv).items()):
-        if isinstance(value, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
-            replaced.append((name, value))
-            setattr(short_conv, name, Recorder(value, launches))
-    programs = short_conv.persistent_programs
-    short_conv.persistent_programs = lambda device, n, columns=1, per_sm=16: max(1, min(n, per_sm * 132 // columns))
-    C, T = 3 * args.heads * args.dim, 1024
-    x, w = torch.randn(1, T, C, dtype=dtype), torch.randn(C, 4, dtype=dtype)
-    short_conv.conv_silu_fwd(x, w, None, None, split=True)
-    dys = [torch.randn(1, T, C // 3, dtype=dtype) for _ in range(3)]
-    for cu in (None, torch.tensor([0, T // 2, T], dtype=torch.int32)):
-        short_conv.conv_silu_bwd(x, w, cu, None, dys)
-    short_conv.persistent_programs = programs
-    for name, value in replaced:
-        setattr(short_conv, name, value)
+    launches = []
+    programs = (short_conv.persistent_programs,
+                lambda device, n, columns=1, per_sm=16: max(1, min(n, per_sm * 132 // columns)))
+    with recording([short_conv], launches, [programs]):
+        C, T = 3 * args.heads * args.dim, 1024
+        x, w = torch.randn(1, T, C, dtype=dtype), torch.randn(C, 4, dtype=dtype)
+        short_conv.conv_silu_fwd(x, w, None, None, split=True)
+        dys = [torch.randn(1, T, C // 3, dtype=dtype) for _ in range(3)]
+        for cu in (None, torch.tensor([0, T // 2, T], dtype=torch.int32)):
+            short_conv.conv_silu_bwd(x, w, cu, None, dys)
     return launches
 
 
