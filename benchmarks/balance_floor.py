@@ -6,7 +6,9 @@ with its final weights, no update in between. The bias is the exact Quantile Bal
 of the first `--fit` batches; the floor is the mean MaxVio_batch (over the MoE layers and the later batches) of the
 other batches, regrouped into batches of R rows, routed with that bias: what balancing can do when the router does
 not move at all. Rows route by document, so a batch of few rows is off balance by its content alone; `iid`
-shuffles the same tokens across rows for comparison. Next to it, the run's own MaxVio_batch while it trained.
+shuffles the same tokens across rows for comparison; `previous` routes each batch of R rows with the fixed point of
+the batch of R rows before it (what a bias from the last step alone can do at fixed weights). Next to it, the run's
+own MaxVio_batch while it trained.
 
     kdamoe-train --config configs/ablate_tiny16.json --seed S --output-dir runs/qb16-S        # S = 0, 1, 2
     PYTHONPATH=src python benchmarks/balance_floor.py runs/qb16-0 runs/qb16-1 runs/qb16-2 --rows 8,16,32 \\
@@ -85,16 +87,21 @@ def analyse(run: Path, args) -> dict:
     print(f"the fitted batches themselves: MaxVio {fitted:.3f} (0 when the fit has converged)")
     table = []
     for rows in (int(r) for r in args.rows.split(",")):
-        floor, iid = [], []
+        floor, iid, previous = [], [], []
         for bias, rest, _ in fits.values():
             shuffled = rest[torch.randperm(rest.shape[0], generator=torch.Generator().manual_seed(0))]
             n = rows * seq_len
-            floor += [max_vio(rest[i:i + n], bias, top_k) for i in range(0, rest.shape[0] - n + 1, n)]
+            batches = [rest[i:i + n] for i in range(0, rest.shape[0] - n + 1, n)]
+            floor += [max_vio(batch, bias, top_k) for batch in batches]
             iid += [max_vio(shuffled[i:i + n], bias, top_k) for i in range(0, rest.shape[0] - n + 1, n)]
+            for before, batch in zip(batches, batches[1:]):
+                last = quantile_fixed_point(before.to(args.device), bias.to(args.device), top_k, args.iterations)
+                previous.append(max_vio(batch, last.cpu(), top_k))
         table.append({"rows": rows, "seq_len": seq_len, "floor": sum(floor) / len(floor), "iid": sum(iid) / len(iid),
-                      "batches_x_layers": len(floor)})
+                      "previous": sum(previous) / len(previous) if previous else None, "batches_x_layers": len(floor)})
         print(f"{rows:4d} rows of {seq_len}: MaxVio_batch floor {table[-1]['floor']:.3f} "
-              f"(tokens shuffled across rows: {table[-1]['iid']:.3f}; {len(floor)} batches x layers)")
+              f"(tokens shuffled across rows: {table[-1]['iid']:.3f}; the previous batch's fixed point: "
+              f"{table[-1]['previous'] if previous else float('nan'):.3f}; {len(floor)} batches x layers)")
     return {"run": str(run), "in_training_max_vio": in_training, "early_max_vio": early, "most_dead_experts": most_dead,
             "fitted_max_vio": fitted, "table": table}
 
