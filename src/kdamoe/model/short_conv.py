@@ -18,9 +18,10 @@ tokens x 6144 channels pass 2^31):
   ``cu_seqlens`` (``ceil(log2(N + 1))`` gathers from a table of N + 1 entries that stays in L1; no host
   synchronisation, no mask tensor) or ``t − t mod T`` for plain batches; W shifted masked loads summed in fp32.
 - backward, two kernels: ``dpre = dy · silu'(pre)`` with ``pre`` recomputed from x (x is all the autograd graph
-  keeps, no ``[B·T, C]`` pre-activation) into a buffer in x's dtype, with ``dweight[tap] = Σ_t dpre[t] · x[t −
-  (W−1−tap)]`` summed per program of a persistent grid along time in fp32 and stored as a ``[P, W, C]`` partial
-  reduced in torch after (deterministic, no atomics); then ``dx[t] = Σ_s weight[W-1-s] · dpre[t+s]`` over the
+  keeps, no ``[B·T, C]`` pre-activation; the W taps of a tile in one ``[BT, W, BD]`` load) into a buffer in x's
+  dtype, with ``dweight[tap] = Σ_t dpre[t] · x[t − (W−1−tap)]`` summed per program of a persistent grid along time
+  in fp32 — per token row of the tile in registers, over the rows once after the program's last tile — and stored as
+  a ``[P, W, C]`` partial reduced in torch after (deterministic, no atomics); then ``dx[t] = Σ_s weight[W-1-s] · dpre[t+s]`` over the
   outputs ``t + s`` in t's document. Each pass reads its inputs once (the shifted tiles come from L1 / L2). One
   kernel recomputing dpre at each of the W shifts (no dpre buffer) runs slower on an H200: the W-fold recompute
   costs more than the buffer's traffic.
@@ -41,7 +42,7 @@ if triton is not None:
 
 LAUNCH = {
     "fwd": dict(BT=16, BD=128, num_warps=4, channels_first=False),
-    "dpre": dict(BT=64, BD=32, num_warps=4, programs_per_sm=16, channels_first=False),
+    "dpre": dict(BT=32, BD=32, num_warps=4, programs_per_sm=16, channels_first=False),
     "dx": dict(BT=16, BD=128, num_warps=4, channels_first=False),
     "state": dict(BD=128, num_warps=4),
 }
@@ -187,26 +188,47 @@ if triton is not None:
             tl.store(y + t[:, None] * C + d[None, :], out, mask=mask)
 
     @triton.jit
+    def _conv_taps(x, ctx, u, bos, cbase, m_u, d, m_d, SX, s_cj, s_cc, W: tl.constexpr, WP: tl.constexpr,
+                   HAS_CTX: tl.constexpr):
+        """The W inputs each of the flat tokens u reads, ``[BT, WP, BD]`` fp32: tap j holds ``x[u − (W−1−j)]`` (0
+        past W, and before bos, or with HAS_CTX read from ctx as ``_conv_pre`` does), one load for all taps."""
+        taps = tl.arange(0, WP)
+        src = u[:, None] - (W - 1 - taps)[None, :]  # [BT, WP]
+        live = m_u[:, None] & (taps < W)[None, :]
+        inside = src >= bos[:, None]
+        m3 = m_d[None, None, :]
+        xv = tl.load(x + src[:, :, None] * SX + d[None, None, :], mask=(live & inside)[:, :, None] & m3,
+                     other=0.0).to(tl.float32)
+        if HAS_CTX:
+            xv += tl.load(ctx + (cbase[:, None] + src * s_cj)[:, :, None] + d[None, None, :] * s_cc,
+                          mask=(live & ~inside)[:, :, None] & m3, other=0.0).to(tl.float32)
+        return xv
+
+    @triton.jit
     def _conv_dpre_kernel(x, w, ctx, cu, dy, dy1, dy2, dpre, dw, L, T, C, SX, n_docs, n_steps, n_blocks, s_cb, s_cj,
                           s_cc, n_programs, n_cblocks, W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr,
                           BD: tl.constexpr, VARLEN: tl.constexpr, HAS_CTX: tl.constexpr, CHANNELS_FIRST: tl.constexpr,
                           SPLIT: tl.constexpr):
-        """Persistent over token blocks pid, pid + P, ...: ``dpre = dy · silu'(pre)`` of the block (pre recomputed
-        from its W shifted input tiles) into ``dpre``, and this program's weight-gradient partial sums
-        ``Σ_t dpre[t] · x[t − (W−1−tap)]`` into ``dw[pid, tap, channel]`` (``[P, W, C]``). dy is ``[L, C]``, or
-        with SPLIT dy, dy1, dy2 ``[L, C/3]`` by thirds of C."""
+        """Persistent over token blocks pid, pid + P, ...: ``dpre = dy · silu'(pre)`` of the block into ``dpre``
+        (pre recomputed from the block's taps, ``_conv_taps``), and this program's weight-gradient partial sums
+        ``Σ_t dpre[t] · x[t − (W−1−tap)]`` into ``dw[pid, tap, channel]`` (``[P, W, C]``): accumulated per token
+        row in registers and summed over the rows once, after the last block (no cross-thread reduction per
+        block). dy is ``[L, C]``, or with SPLIT dy, dy1, dy2 ``[L, C/3]`` by thirds of C."""
         pid, cb = _tile(tl.program_id(0), n_programs, n_cblocks, CHANNELS_FIRST)
         d = cb * BD + tl.arange(0, BD)
         m_d = d < C
         taps = tl.arange(0, WP)
-        dw_acc = tl.zeros([BD, WP], dtype=tl.float32)
+        wt = tl.load(w + d[None, :] * W + taps[:, None], mask=(taps < W)[:, None] & m_d[None, :],
+                     other=0.0).to(tl.float32)  # [WP, BD]
+        dw_acc = tl.zeros([BT, WP, BD], dtype=tl.float32)
         for blk in range(pid, n_blocks, n_programs):
             t = (blk * BT + tl.arange(0, BT)).to(tl.int64)
             m_t = t < L
             m_x = m_t[:, None] & m_d[None, :]
             bos, _ = _doc_bounds(t, cu, n_docs, n_steps, T, VARLEN)
             cbase = _ctx_base(bos, T, s_cb, s_cj, W) if HAS_CTX else bos
-            pre = _conv_pre(x, w, ctx, t, bos, cbase, m_t, d, m_d, SX, s_cj, s_cc, W, HAS_CTX)
+            xv = _conv_taps(x, ctx, t, bos, cbase, m_t, d, m_d, SX, s_cj, s_cc, W, WP, HAS_CTX)
+            pre = tl.sum(xv * wt[None, :, :], axis=1)
             sig = tl.sigmoid(pre)
             if SPLIT:
                 part, offs = _third(t, cb, d, C, BD)
@@ -220,15 +242,9 @@ if triton is not None:
                 g = tl.load(dy + t[:, None] * C + d[None, :], mask=m_x, other=0.0).to(tl.float32)
             dp = g * sig * (1.0 + pre * (1.0 - sig))
             tl.store(dpre + t[:, None] * C + d[None, :], dp.to(dpre.dtype.element_ty), mask=m_x)
-            for tap in tl.static_range(W):  # the tile's inputs again (from L1 / L2): tap reads x[t − (W−1−tap)]
-                src = t - (W - 1 - tap)
-                inside = src >= bos
-                xv = tl.load(x + src[:, None] * SX + d[None, :], mask=m_x & inside[:, None], other=0.0).to(tl.float32)
-                if HAS_CTX:
-                    xv += tl.load(ctx + (cbase + src * s_cj)[:, None] + d[None, :] * s_cc,
-                                  mask=m_x & ~inside[:, None], other=0.0).to(tl.float32)
-                dw_acc += tl.where(taps[None, :] == tap, tl.sum(dp * xv, axis=0)[:, None], 0.0)
-        tl.store(dw + pid * W * C + taps[None, :] * C + d[:, None], dw_acc, mask=(taps < W)[None, :] & m_d[:, None])
+            dw_acc += dp[:, None, :] * xv
+        tl.store(dw + pid * W * C + taps[:, None] * C + d[None, :], tl.sum(dw_acc, axis=0),
+                 mask=(taps < W)[:, None] & m_d[None, :])
 
     @triton.jit
     def _conv_dx_kernel(w, cu, dpre, dx, L, T, C, n_docs, n_steps, n_tblocks, n_cblocks, W: tl.constexpr,
