@@ -81,7 +81,8 @@ def analyse(run: Path, args) -> dict:
     fits = {}
     for name, layer in scores.items():
         fit = torch.cat(layer[: args.fit]).double()
-        bias = quantile_fixed_point(fit, torch.zeros(fit.shape[1], dtype=torch.float64), top_k, args.iterations)
+        bias = quantile_fixed_point(fit.to(args.device), torch.zeros(fit.shape[1], dtype=torch.float64,
+                                    device=args.device), top_k, args.iterations).cpu()
         fits[name] = (bias, torch.cat(layer[args.fit:]).double(), max_vio(fit, bias, top_k))
     fitted = sum(f[2] for f in fits.values()) / len(fits)
     print(f"the fitted batches themselves: MaxVio {fitted:.3f} (0 when the fit has converged)")
