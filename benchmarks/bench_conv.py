@@ -12,7 +12,8 @@ time (forward: read x, write y; backward: read x and dy, write dx), and that rat
 copy's in the same run. The default launch is also checked against the float64 torch reference. Peers, forward and
 forward+backward: fla's `causal_conv1d(activation="silu")` on the same values (a contiguous x, the layout it takes;
 its backward recomputes the pre-activation, as ours does), and with `--alt NAME=PATH` the `short_conv.py` of
-another copy of the model folder at its default launch (results checked as above), for an A/B of two versions.
+another copy of the model folder at its default launch (y, dx and dweight within 1e-3 of ours: another version
+may sum in another order), for an A/B of two versions.
 
     python benchmarks/bench_conv.py --out conv_h200.json [--alt NAME=PATH ...]
     TRITON_INTERPRET=1 python benchmarks/bench_conv.py --smoke        # CPU: checks that everything runs
@@ -192,8 +193,8 @@ def main():
             dx, dw = module.conv_silu_bwd(xs, weight, c, None, dys)
             if ref is None:
                 ref = y, dx, dw
-            elif not (torch.equal(y, ref[0]) and torch.equal(dx, ref[1]) and rel(dw, ref[2]) < 1e-5):
-                raise SystemExit(f"{name}: {label}'s results differ from ours")
+            elif max(rel(y, ref[0]), rel(dx, ref[1]), rel(dw, ref[2])) >= 1e-3:
+                raise SystemExit(f"{name}: {label}'s results differ from ours by 1e-3 or more")
             peer[name][label] = dict(
                 fwd=bench(lambda: module.conv_silu_fwd(xs, weight, c, None)),
                 bwd=bench(lambda: module.conv_silu_bwd(xs, weight, c, None, dys)))
