@@ -55,7 +55,8 @@ def router_scores(run: Path, batches: int, device: str) -> tuple[dict[int, list[
     scores = {}
     for i, layer in enumerate(model.model.layers):
         if layer.is_moe:
-            layer.ffn.router.register_forward_hook(lambda m, a, out, i=i: scores.setdefault(i, []).append(out[1].float().cpu()))
+            layer.ffn.router.register_forward_hook(
+                lambda m, a, out, i=i: scores.setdefault(i, []).append(out[1].float().cpu()))
     for step in range(info["steps"], info["steps"] + batches):
         batch = rows_to_batch(*data.batch(step))
         model(input_ids=batch["input_ids"].to(device), position_ids=batch["position_ids"].to(device))

@@ -20,16 +20,17 @@ tokens x 6144 channels pass 2^31):
 - backward, two kernels: ``dpre = dy · silu'(pre)`` with ``pre`` recomputed from x (x is all the autograd graph
   keeps, no ``[B·T, C]`` pre-activation; the W taps of a tile in one ``[BT, W, BD]`` load) into a buffer in x's
   dtype, with ``dweight[tap] = Σ_t dpre[t] · x[t − (W−1−tap)]`` summed per program of a persistent grid along time
-  in fp32 — per token row of the tile in registers, over the rows once after the program's last tile — and stored as
-  a ``[P, W, C]`` partial reduced in torch after (deterministic, no atomics); then ``dx[t] = Σ_s weight[W-1-s] · dpre[t+s]`` over the
-  outputs ``t + s`` in t's document. Each pass reads its inputs once (the shifted tiles come from L1 / L2). One
-  kernel recomputing dpre at each of the W shifts (no dpre buffer) runs slower on an H200: the W-fold recompute
-  costs more than the buffer's traffic.
+  in fp32 — per token row of the tile in registers, over the rows once after the program's last tile — and stored
+  as a ``[P, W, C]`` partial reduced in torch after (deterministic, no atomics); then ``dx[t] = Σ_s weight[W-1-s] ·
+  dpre[t+s]`` over the outputs ``t + s`` in t's document. Each pass reads its inputs once (the shifted tiles come
+  from L1 / L2). One kernel without the dpre buffer runs slower: recomputing dpre at each of the W shifts (an
+  H200), or shifting the tile's rows in registers (``tl.gather`` or a shift matrix: two to four times the dpre
+  kernel's instructions, compiled for sm_90).
 - ``short_conv_state``: one program per (row, channel block) gathers the row's last W inputs.
 
 Tile sizes and program order (``LAUNCH``): the forward's is the fastest of ``benchmarks/bench_conv.py``'s sweep on an
-H200 (BENCHMARKS.md); the backward's are picks from what the kernels compile to for sm_90 (bf16 x, W = 4: no spills),
-the sweep of their candidates not yet complete.
+H200 (BENCHMARKS.md); the backward's dpre launch (166 registers for sm_90, no spill) is within 2 % of the best of the
+sweep on an H100, the dx launch the fastest of the sweep on an H200.
 """
 
 import torch
