@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from kdamoe.ablate import ablate, main
+from kdamoe.ablate import ablate, floor_run, main, run_metrics, verdict
 
 MODEL = {"hidden_size": 32, "intermediate_size": 64, "kda_num_heads": 2, "kda_head_dim": 16, "num_attention_heads": 2,
          "num_key_value_heads": 1, "head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
@@ -74,6 +74,32 @@ def test_finished_runs_are_reused(ablation):
     again = ablate(argv)
     assert final.stat().st_mtime_ns == before
     assert again["factors"] == json.loads(json.dumps(results["factors"]))
+
+
+def test_floor_of_a_run_is_kept_in_its_eval_folder_and_reported(ablation):
+    """`floor_run` (what `router_balancing` runs add to their metrics): `balance_floor` of the run at its 4 rows a
+    step, written to eval/balance_floor.json and reused; `run_metrics` reports its first row; the verdict compares
+    Quantile Balancing's MaxVio_batch with it."""
+    out, _, _ = ablation
+    run = out / "runs" / "base" / "seed0"
+    floor = floor_run(run)
+    kept = run / "eval" / "balance_floor.json"
+    assert json.loads(kept.read_text()) == floor
+    assert floor["rows_per_step"] == 4 and [row["rows"] for row in floor["table"]] == [4]
+    row = floor["table"][0]
+    moe_layers = len(json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["max_vio"])
+    assert row["batches_x_layers"] == 32 * moe_layers  # 48 batches after the run, the first 16 fitted
+    assert 0 <= floor["fitted"] < row["floor"] <= 8 / 2 - 1 and 0 <= row["previous"] <= 8 / 2 - 1  # 8 experts top-2
+    before = kept.stat().st_mtime_ns
+    assert floor_run(run) == floor and kept.stat().st_mtime_ns == before
+    metrics = run_metrics(run, None, floor)
+    assert (metrics["max_vio_floor"], metrics["max_vio_floor_previous"]) == (row["floor"], row["previous"])
+    stat = lambda x: {"mean": x, "std": 0.0, "n": 1}  # noqa: E731
+    summary = {mode: {"max_vio_second_half": stat(v), "val_loss": stat(3.0), "dead_experts_last_step": stat(0),
+                      "max_vio_floor": stat(0.5), "max_vio_floor_previous": stat(0.4)}
+               for mode, v in (("quantile", 0.6), ("loss_free", 0.9))}
+    assert "leaves a fresh batch at 0.400 (0.500 with that of 16 other batches): Quantile Balancing's 0.600 is 1.50x" \
+        in verdict("router_balancing", summary)
 
 
 def test_a_killed_ablation_keeps_the_report_of_the_runs_it_finished(ablation, tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
+from kdamoe import balancing
 from kdamoe.balancing import LoadBalancingCallback, register_load_balancing_hook
 from kdamoe.model.configuration_kdamoe import KDAMoEConfig
 from kdamoe.model.moe import (
@@ -492,3 +493,44 @@ def test_trainer_callback_applies_and_logs(tmp_path):
     want = max(s["max_vio"] for s in callback.last_stats.values())
     assert logs["moe/max_vio_max"] == pytest.approx(want)
     assert state.log_history[-1]["moe/max_vio_max"] == pytest.approx(want)
+
+
+def naive_max_vio(scores, bias, top_k):
+    """MaxVio of a batch counted token by token (an independent loop)."""
+    loads = [0] * scores.shape[1]
+    for row in (scores + bias).tolist():
+        for j in sorted(range(len(row)), key=lambda j: -row[j])[:top_k]:
+            loads[j] += 1
+    mean = sum(loads) / len(loads)
+    return (max(loads) - mean) / mean
+
+
+def test_balance_floor_routes_fresh_batches_with_the_bias_of_earlier_ones(monkeypatch):
+    """`balance_floor` on router scores given here (one layer; 6 batches of 2 rows of 8 tokens): the fit's own MaxVio,
+    `floor` (the fixed point of the first `fit` batches routing the fresh batches regrouped by `rows`) and
+    `previous` (each fresh batch routed with the fixed point of the one before) against a token-by-token count with
+    the biases the float64 oracle gives; the fresh batches are alike in content, so the batch before balances the
+    next as well as it balances itself, and a batch skewed onto one expert stays that far off with the fit's bias."""
+    gen = torch.Generator().manual_seed(0)
+    fit_batches = [torch.rand(16, 4, generator=gen) for _ in range(2)]
+    skew = torch.rand(16, 4, generator=gen) * 0.1
+    skew[:, 0] += 0.9  # every token prefers expert 0
+    fresh = [skew.clone() for _ in range(4)]
+    scores = {0: fit_batches + fresh}
+    monkeypatch.setattr(balancing, "router_scores_after",
+                        lambda run, batches, device: (scores, {"rows": 2, "seq_len": 8, "top_k": 1}))
+    out = balancing.balance_floor("unused", rows=[2, 4], batches=6, fit=2, iterations=32, device="cpu")
+    zero = torch.zeros(4, dtype=torch.float64)
+    fitted = torch.cat(fit_batches).double()
+    bias = quantile_fixed_point(fitted, zero, 1, 32)
+    assert out["fitted"] == pytest.approx(naive_max_vio(fitted, bias, 1))
+    assert out["rows_per_step"] == 2 and out["seq_len"] == 8
+    for row, n in zip(out["table"], (16, 32)):
+        batches = [torch.cat(fresh).double()[i:i + n] for i in range(0, 64, n)]
+        assert row["rows"] == n // 8 and row["batches_x_layers"] == len(batches)
+        assert row["floor"] == pytest.approx(np.mean([naive_max_vio(b, bias, 1) for b in batches]))
+        previous = [naive_max_vio(b, quantile_fixed_point(a, bias, 1, 32), 1) for a, b in zip(batches, batches[1:])]
+        assert row["previous"] == pytest.approx(np.mean(previous))
+        assert row["previous"] <= 0.5 < row["floor"]
+    with pytest.raises(ValueError, match="fit must lie"):
+        balancing.balance_floor("unused", batches=6, fit=6, device="cpu")

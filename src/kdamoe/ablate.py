@@ -15,7 +15,9 @@ Factors and what the report compares (mean ± sample standard deviation over the
 - `kda_gate` (bounded, softplus): val loss, tokens/s.
 - `router_balancing` (quantile, loss_free, aux_loss, none): MaxVio_batch per step (mean over the MoE layers, from
   metrics.jsonl; the table gives the mean over the second half of the steps and that of the worst layer), dead
-  experts at the last step, MaxVio_global and dead experts on the held-out rows, val loss.
+  experts at the last step, MaxVio_global and dead experts on the held-out rows, val loss, and the floor of
+  MaxVio_batch at the run's batch shape (`kdamoe.balancing.balance_floor` on its final weights: the training batches
+  after its last step routed with the exact fixed point of 16 other batches, and with that of the batch before).
 - `residual_mode` (block_attnres, standard, full_attnres): val loss, seconds per step.
 - `length` (the base config alone): loss by position to 4x the training length, passkey accuracy.
 
@@ -59,7 +61,9 @@ METRICS = {  # per factor: (metric key, column title, decimals)
                          ("max_vio_worst_layer_second_half", "worst layer", 3),
                          ("dead_experts_last_step", "dead experts (last step)", 1),
                          ("max_vio_global", "MaxVio_global (held-out)", 3),
-                         ("dead_experts_heldout", "dead experts (held-out)", 1), ("val_loss", "val loss", 4)],
+                         ("dead_experts_heldout", "dead experts (held-out)", 1), ("val_loss", "val loss", 4),
+                         ("max_vio_floor", "floor: fit to 16 other batches", 3),
+                         ("max_vio_floor_previous", "floor: the batch before", 3)],
     "residual_mode": [("val_loss", "val loss", 4), ("seconds_per_step", "s/step", 4)],
     "length": [("loss_near_train_length", "loss, positions L/2..L", 4), ("loss_beyond", "loss, L..4L", 4),
                ("loss_beyond_worst_bin", "worst bin beyond L", 4), ("passkey_accuracy", "passkey", 2)],
@@ -190,6 +194,23 @@ def evaluate_run(folder: Path) -> dict:
     return evaluate(folder / "final", folder / "eval", settings, progress=False, plots=False)
 
 
+def floor_run(folder: Path) -> dict | None:
+    """`kdamoe.balancing.balance_floor` of the run at its rows per step (fitted to 16 batches, 32 fresh ones) into
+    `eval/balance_floor.json` (reused when it is newer than the run); None for a model without MoE layers."""
+    from .balancing import balance_floor
+
+    first_step = json.loads((folder / "metrics.jsonl").read_text().splitlines()[0])
+    if not first_step.get("max_vio"):
+        return None
+    path = folder / "eval" / "balance_floor.json"
+    if path.is_file() and path.stat().st_mtime >= (folder / "ablate_run.json").stat().st_mtime:
+        return json.loads(path.read_text())
+    floor = balance_floor(folder, batches=48, fit=16)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(floor, indent=2))
+    return floor
+
+
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
@@ -199,9 +220,9 @@ def _median_steady(values: list[float]) -> float:
     return statistics.median(values[max(1, len(values) // 10):] if len(values) > 1 else values)
 
 
-def run_metrics(folder: Path, report: dict | None) -> dict:
-    """The numbers of one run: from its metrics.jsonl (one line per step), final/training_info.json and the
-    kdamoe-eval `report` (None: those numbers are None)."""
+def run_metrics(folder: Path, report: dict | None, floor: dict | None = None) -> dict:
+    """The numbers of one run: from its metrics.jsonl (one line per step), final/training_info.json, the
+    kdamoe-eval `report` and the `balance_floor` result `floor` (None: those numbers are None)."""
     steps = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     info = json.loads((folder / "final" / "training_info.json").read_text())
     tokens = [s["tokens"] for s in steps]
@@ -223,6 +244,8 @@ def run_metrics(folder: Path, report: dict | None) -> dict:
         "max_vio_global": moe.get("max_vio_global_mean"),
         "dead_experts_heldout": moe.get("dead_experts_total"),
         "passkey_accuracy": report["passkey"]["mean_accuracy"] if report else None,
+        "max_vio_floor": floor["table"][0]["floor"] if floor else None,
+        "max_vio_floor_previous": floor["table"][0]["previous"] if floor else None,
     }
     out.update(position_metrics(report["length_extrapolation"]) if report else
                dict.fromkeys(("loss_by_position", "loss_near_train_length", "loss_beyond", "loss_beyond_worst_bin")))
@@ -257,7 +280,7 @@ def mean_spread(values: list[float | None]) -> dict:
 def summarise(factor: str, runs: dict[str, dict[int, dict]]) -> dict:
     """Per factor value, mean ± spread of each of the factor's metrics over the seeds; for `router_balancing` also
     `max_vio_curve`, MaxVio_batch per step averaged over the seeds (None for a model without MoE layers)."""
-    out = {value: {key: mean_spread([m[key] for m in per_seed.values()]) for key, _, _ in METRICS[factor]}
+    out = {value: {key: mean_spread([m.get(key) for m in per_seed.values()]) for key, _, _ in METRICS[factor]}
            for value, per_seed in runs.items()}
     if factor == "router_balancing":
         for value, per_seed in runs.items():
@@ -327,6 +350,13 @@ def _verdict_balancing(s: dict) -> str:
         qb = curves["quantile"]
         text += ". Quantile Balancing's MaxVio_batch (mean over the seeds) is below " + ", ".join(
             f"{m}'s at {sum(a < b for a, b in zip(qb, c))}/{len(qb)} steps" for m, c in curves.items() if m != "quantile")
+    floor = s.get("quantile", {}).get("max_vio_floor_previous", {}).get("mean")
+    if "quantile" in vio and floor:
+        qb = vio["quantile"]["mean"]
+        text += (f". At its final weights the exact fixed point of the batch before leaves a fresh batch at "
+                 f"{floor:.3f} ({s['quantile']['max_vio_floor']['mean']:.3f} with that of 16 other batches): "
+                 f"Quantile Balancing's {qb:.3f} is {qb / floor:.2f}x what a bias reaches at this batch shape "
+                 "without the router moving")
     dead = {m: v["dead_experts_last_step"]["mean"] for m, v in s.items() if v["dead_experts_last_step"]["mean"]}
     text += "." + (" Dead experts at the last step: " + ", ".join(f"{m} {d:.1f}" for m, d in dead.items()) + "."
                    if dead else " No mode left a dead expert at the last step.")
@@ -453,6 +483,7 @@ def ablate(argv: list[str] | None = None) -> dict:
              for factor in args.factors}
     runs = {name: overrides for per_value in names.values() for name, overrides in per_value.values()}
     evaluated = {name for factor in args.factors if factor in EVALUATED for name, _ in names[factor].values()}
+    floored = {name for name, _ in names["router_balancing"].values()} if "router_balancing" in names else set()
     # the first run trains the tokenizer (unless one is given), every later run reads it
     tokenizer_given = any(a.split("=")[0] == "--tokenizer" for a in train_argv)
     tokenizer: list[str] = []
@@ -464,7 +495,8 @@ def ablate(argv: list[str] | None = None) -> dict:
             if not (tokenizer or tokenizer_given):
                 tokenizer = ["--tokenizer", str(folder / "tokenizer")]
             report = evaluate_run(folder) if name in evaluated else None
-            metrics.setdefault(name, {})[seed] = run_metrics(folder, report)
+            floor = floor_run(folder) if name in floored else None
+            metrics.setdefault(name, {})[seed] = run_metrics(folder, report, floor)
             # rewritten after every run: an ablation killed part way (a time limit) keeps the report of what finished
             factor_runs = {factor: done for factor in args.factors
                            if (done := {v: n for v, (n, _) in names[factor].items() if n in metrics})}
