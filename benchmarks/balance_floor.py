@@ -1,4 +1,4 @@
-"""The lowest MaxVio_batch a bias fitted before the batch can reach, at fixed weights, against rows per batch.
+"""The MaxVio_batch that a bias fitted before the batch leaves at fixed weights, against rows per batch.
 
 `kdamoe.balancing.balance_floor` on trained kdamoe-train folders: their final weights route the training batches
 after their last step, with the exact Quantile Balancing fixed point of the first `--fit` of them (`floor`), the same

@@ -7,7 +7,7 @@ optimizer step, after `optimizer.step()`: with the HF Trainer through `LoadBalan
 through `register_load_balancing_hook`.
 
 `balance_floor(run)` measures, for a finished `kdamoe-train` run, the MaxVio_batch that a bias fitted before the
-batch leaves when the router does not move at all: the floor under any balancer at that batch shape and corpus.
+batch leaves when the router does not move at all: how far balance can go at that batch shape and corpus.
 """
 
 import json
@@ -129,7 +129,7 @@ def router_scores_after(run: str | Path, batches: int, device: str) -> tuple[dic
 
 def balance_floor(run: str | Path, rows: list[int] | None = None, batches: int = 48, fit: int = 16,
                   iterations: int = 64, device: str | None = None) -> dict:
-    """The lowest MaxVio_batch a bias fitted before the batch reaches when the router does not move: a finished
+    """The MaxVio_batch that a bias fitted before the batch leaves when the router does not move: a finished
     `kdamoe-train` run's final weights route the `batches` training batches after its last step (its own data
     order, `router_scores_after`); per MoE layer the bias is the exact Quantile Balancing fixed point
     (`quantile_fixed_point`, `iterations` steps, float64 on `device`) of the first `fit` of them, and the other
