@@ -38,7 +38,6 @@ import statistics
 from pathlib import Path
 
 import torch
-from torch.nn.attention import sdpa_kernel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import bench_model
@@ -124,9 +123,7 @@ def sdpa(model, length: int, warmup_length: int, repeats: int, device, dtype) ->
         q = torch.randn(1, attention.num_heads, tokens, attention.head_dim, device=device, dtype=dtype)
         k, v = (torch.randn(1, attention.num_key_value_heads, tokens, attention.head_dim, device=device, dtype=dtype)
                 for _ in range(2))
-        # a fresh context each call: sdpa_kernel's context manager can be entered once
-        cuda = device.type == "cuda"
-        with sdpa_kernel(modeling_kdamoe._CACHED_SDPA_BACKENDS) if cuda else contextlib.nullcontext():
+        with modeling_kdamoe._backends_for(tokens, tokens, True, device.type == "cuda"):
             function(attention, q, k, v, None, dropout=0.0, scaling=attention.scaling)
 
     call(warmup_length)
@@ -139,7 +136,8 @@ def sdpa(model, length: int, warmup_length: int, repeats: int, device, dtype) ->
     return {"tokens": length, "layers": len(layers), "seconds_per_layer": per_layer, "seconds": per_layer * len(layers),
             "q": [1, attention.num_heads, length, attention.head_dim],
             "kv": [1, attention.num_key_value_heads, length, attention.head_dim],
-            "backends": [b.name for b in modeling_kdamoe._CACHED_SDPA_BACKENDS] if device.type == "cuda" else None}
+            "backends": ([b.name for b in modeling_kdamoe.sdpa_backends(length, length, True)]
+                         if device.type == "cuda" else None)}
 
 
 def train_step(lib: str, s: dict, length: int, device, dtype, fla_models, offload: bool = False) -> dict:

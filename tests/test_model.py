@@ -1,5 +1,7 @@
 """The causal LM through the public API: config validation, causality, caching, packing, AttnRes identities."""
 
+import math
+
 import pytest
 import torch
 
@@ -244,6 +246,23 @@ def test_eager_attention_equals_sdpa(tmp_path):
     with torch.no_grad():
         for kwargs in ({}, dict(attention_mask=mask), dict(position_ids=position_ids)):
             torch.testing.assert_close(eager(ids, **kwargs).logits, sdpa(ids, **kwargs).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_sdpa_backends_take_cudnn_only_where_its_plan_pays():
+    """cuDNN builds a plan per shape: decode steps and short documents keep the plan-free kernels, a long prefill or
+    document takes cuDNN first, and fixed shapes (a training step) leave the choice to torch."""
+    from torch.nn.attention import SDPBackend
+
+    from kdamoe.model.modeling_kdamoe import CUDNN_MIN_SCORES, sdpa_backends
+
+    long = math.isqrt(CUDNN_MIN_SCORES) + 1  # long * long >= CUDNN_MIN_SCORES
+    assert sdpa_backends(4096, 4096, shapes_vary=False) is None
+    for q_len, k_len in ((1, 2**20), (2048, 2048), (long, long // 2)):  # a decode step, a short document, a short call
+        assert SDPBackend.CUDNN_ATTENTION not in sdpa_backends(q_len, k_len, shapes_vary=True)
+        assert sdpa_backends(q_len, k_len, True)[0] == SDPBackend.FLASH_ATTENTION
+    for q_len, k_len in ((long, long), (2**20, 2**20), (long // 4, 4 * long)):  # prefills, a chunk over a long cache
+        backends = sdpa_backends(q_len, k_len, shapes_vary=True)
+        assert backends[0] == SDPBackend.CUDNN_ATTENTION and SDPBackend.FLASH_ATTENTION in backends
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -325,7 +325,29 @@ class KDAMoEKimiDeltaAttention(nn.Module):
         return self.o_proj(o.view(batch, 1, -1))
 
 
-_CACHED_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# SDPA's backends where the shapes vary from call to call (a cache: every decode step has a new key length; packed
+# documents: each its own length). cuDNN's kernel (torch's first choice on Hopper, 1.6-1.9x the flash kernel's speed
+# on causal attention) builds an execution plan per shape, ~70 ms; the flash / memory-efficient kernels need none.
+# A call of at least CUDNN_MIN_SCORES query x key positions (a prefill or document of ~180K tokens and more: the
+# flash kernel's time there, ~0.2 s on an H100 at 8 heads of 128, is more than twice the plan's) takes cuDNN first.
+_VARYING_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+CUDNN_MIN_SCORES = 2**35
+
+
+def sdpa_backends(query_len: int, key_len: int, shapes_vary: bool) -> list[SDPBackend] | None:
+    """The SDPA backends, in order, for one CUDA attention call of `query_len` queries over `key_len` keys; None:
+    torch's own choice (fixed shapes, as in a training step)."""
+    if not shapes_vary:
+        return None
+    if query_len * key_len >= CUDNN_MIN_SCORES:
+        return [SDPBackend.CUDNN_ATTENTION, *_VARYING_SDPA_BACKENDS]
+    return _VARYING_SDPA_BACKENDS
+
+
+def _backends_for(query_len: int, key_len: int, shapes_vary: bool, cuda: bool):
+    """`sdpa_backends` as a context manager (a fresh one each call: `sdpa_kernel`'s can be entered once)."""
+    chosen = sdpa_backends(query_len, key_len, shapes_vary) if cuda else None
+    return sdpa_kernel(chosen) if chosen is not None else contextlib.nullcontext()
 
 
 class KDAMoEAttention(nn.Module):
@@ -381,18 +403,14 @@ class KDAMoEAttention(nn.Module):
         if self.config._attn_implementation != "eager":
             attention = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
         kwargs = dict(dropout=self.config.attention_dropout if self.training else 0.0, scaling=self.scaling)
-        # With a cache every decode step has a new key length, and each document a length of its own; cuDNN's SDPA
-        # builds an execution plan per shape (tens of milliseconds), the flash / memory-efficient kernels need none.
-        shapes_vary = cache is not None or per_document
-        backends = sdpa_kernel(_CACHED_SDPA_BACKENDS) if shapes_vary and q.is_cuda else contextlib.nullcontext()
         query = q.transpose(1, 2)  # [B, Hq, T, Dh]
         if self._split_kv_decode(query, keys, cache):
             return self.o_proj(decode_attention(query, keys, values, attention_mask, self.scaling)
                                .reshape(batch, seq_len, -1))
-        with backends:
-            if per_document:
-                out = self._attend_per_document(attention, q, k, v, packed.cu_seqlens, kwargs)
-            else:
+        if per_document:
+            out = self._attend_per_document(attention, q, k, v, packed.cu_seqlens, kwargs)
+        else:
+            with _backends_for(seq_len, keys.shape[2], cache is not None, q.is_cuda):
                 out, _ = attention(self, query, keys, values, attention_mask, **kwargs)
         return self.o_proj(out.reshape(batch, seq_len, -1))
 
@@ -409,9 +427,11 @@ class KDAMoEAttention(nn.Module):
         flattened tokens, so the backward joins their gradients in one concatenation."""
         lengths = cu_seqlens.diff().tolist()
         pieces = zip(*(x.flatten(0, 1).split(lengths) for x in (q, k, v)))
-        outs = [attention(self, *(x.unsqueeze(0).transpose(1, 2) for x in piece), None, **kwargs)[0]
-                for piece in pieces]  # each [1, L, Hq, Dh]
-        return torch.cat(outs, dim=1).view(q.shape)
+        outs = []
+        for length, piece in zip(lengths, pieces):
+            with _backends_for(length, length, True, q.is_cuda):
+                outs.append(attention(self, *(x.unsqueeze(0).transpose(1, 2) for x in piece), None, **kwargs)[0])
+        return torch.cat(outs, dim=1).view(q.shape)  # each piece [1, L, Hq, Dh]
 
 
 # ----------------------------------------------------------------------------------------------------------------------
