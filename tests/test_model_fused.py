@@ -122,3 +122,29 @@ def test_cuda_moe_step_synchronises_once_for_the_balancing_statistics():
     assert count_syncs(model.apply_load_balancing) == 1
     loss_and_grads(model, ids)
     assert count_syncs(lambda: model.apply_load_balancing(to_host=False)) == 0  # the update alone: no round trip
+
+
+@gpu_only
+def test_cuda_packed_documents_through_varlen_equal_the_masked_path(monkeypatch):
+    """bf16 packed rows: the attention layers' one `varlen_attn` call per forward against the block-diagonal mask
+    (varlen off): logits and every gradient to bf16 tolerance, and the step does not synchronise."""
+    from kdamoe.model import modeling_kdamoe
+
+    if modeling_kdamoe.varlen_attn is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    model = make_model(mlp_layer_types=["dense"] * 4).cuda().bfloat16().train()
+    ids = torch.randint(3, 97, (2, 150), device="cuda")
+    positions = torch.cat([torch.arange(70), torch.arange(50), torch.arange(30)]).repeat(2, 1)
+    calls = []
+    varlen = modeling_kdamoe.varlen_attn
+    monkeypatch.setattr(modeling_kdamoe, "varlen_attn", lambda *a, **k: calls.append(1) or varlen(*a, **k))
+    out, grads = loss_and_grads(model, ids, position_ids=positions)
+    assert len(calls) == 1  # the one attention layer
+    assert count_syncs(lambda: loss_and_grads(model, ids, position_ids=positions)) == 0
+    monkeypatch.setattr(modeling_kdamoe, "varlen_attn", None)
+    ref, ref_grads = loss_and_grads(model, ids, position_ids=positions)
+    rel = (out.logits.float() - ref.logits.float()).norm() / ref.logits.float().norm()
+    assert rel < 1e-2, rel
+    for name in ref_grads:
+        g, r = grads[name].float(), ref_grads[name].float()
+        assert (g - r).norm() <= 3e-2 * r.norm() + 1e-4, name

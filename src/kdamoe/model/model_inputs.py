@@ -79,7 +79,7 @@ class PackedDocuments:
     without a device round trip, the attention layers split long rows by it) and in `cu_seqlens_device` on the
     inputs' device (the short convolution reads it there); `last_doc_of_row`: `[B]` the document each row ends in;
     `last_doc_start`: `[B]` int64 on the inputs' device, the column where that document starts (a cache keeps it:
-    later tokens continue that document).
+    later tokens continue that document); `longest_document`: the most tokens of one document (host int).
     """
 
     doc_ids: torch.Tensor
@@ -87,6 +87,7 @@ class PackedDocuments:
     cu_seqlens_device: torch.Tensor
     last_doc_of_row: torch.Tensor
     last_doc_start: torch.Tensor
+    longest_document: int
 
     @classmethod
     def from_position_ids(
@@ -121,7 +122,8 @@ class PackedDocuments:
 
         doc_ids = put(doc_ids)
         return cls(doc_ids=doc_ids, cu_seqlens=cu_seqlens, cu_seqlens_device=put(cu_seqlens),
-                   last_doc_of_row=doc_ids[:, -1], last_doc_start=put(last_doc_start))
+                   last_doc_of_row=doc_ids[:, -1], last_doc_start=put(last_doc_start),
+                   longest_document=int(cu_seqlens.diff().max()))
 
 
 DENSE_MASK_ELEMENTS = 1 << 28  # the largest block-diagonal mask of packed rows; past it, attention runs per document

@@ -17,6 +17,7 @@ previous rank's last inputs, attention layers gather the keys and values, the lo
 import contextlib
 import dataclasses
 import functools
+import inspect
 import math
 from collections.abc import Callable
 
@@ -30,6 +31,13 @@ from transformers.generation import GenerationMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+
+try:  # torch's flash kernel over packed documents (torch >= 2.10); without it they attend one call a document
+    from torch.nn.attention.varlen import varlen_attn
+
+    _VARLEN_PARAMETERS = inspect.signature(varlen_attn).parameters  # its causal and GQA switches vary by version
+except ImportError:
+    varlen_attn, _VARLEN_PARAMETERS = None, {}
 
 from .attnres import DepthAttention, ResidualState
 from .caches import CACHE_FIELD, KDAMoECache, KDAMoEStaticCache
@@ -344,6 +352,24 @@ def sdpa_backends(query_len: int, key_len: int, shapes_vary: bool) -> list[SDPBa
     return _VARYING_SDPA_BACKENDS
 
 
+def varlen_packed(device: torch.device, dtype: torch.dtype, config, training: bool) -> bool:
+    """Whether the attention layers attend within packed documents through one `varlen_attn` call (flash, GQA) rather
+    than a block-diagonal mask or one SDPA call a document: on CUDA with 16-bit attention inputs (`dtype`: the
+    autocast dtype where autocast is on) and the SDPA implementation, without dropout."""
+    if torch.is_autocast_enabled(device.type):
+        dtype = torch.get_autocast_dtype(device.type)
+    return (varlen_attn is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and config._attn_implementation == "sdpa" and not (training and config.attention_dropout > 0))
+
+
+def _varlen_kwargs(group: int) -> dict:
+    """`varlen_attn`'s causal and (for `group` > 1 query heads a key-value head) GQA arguments in this torch."""
+    kwargs = {"is_causal": True} if "is_causal" in _VARLEN_PARAMETERS else {"window_size": (-1, 0)}
+    if "enable_gqa" in _VARLEN_PARAMETERS and group > 1:
+        kwargs["enable_gqa"] = True
+    return kwargs
+
+
 def _backends_for(query_len: int, key_len: int, shapes_vary: bool, cuda: bool):
     """`sdpa_backends` as a context manager (a fresh one each call: `sdpa_kernel`'s can be entered once)."""
     chosen = sdpa_backends(query_len, key_len, shapes_vary) if cuda else None
@@ -408,7 +434,7 @@ class KDAMoEAttention(nn.Module):
             return self.o_proj(decode_attention(query, keys, values, attention_mask, self.scaling)
                                .reshape(batch, seq_len, -1))
         if per_document:
-            out = self._attend_per_document(attention, q, k, v, packed.cu_seqlens, kwargs)
+            out = self._attend_per_document(attention, q, k, v, packed, kwargs)
         else:
             with _backends_for(seq_len, keys.shape[2], cache is not None, q.is_cuda):
                 out, _ = attention(self, query, keys, values, attention_mask, **kwargs)
@@ -420,11 +446,21 @@ class KDAMoEAttention(nn.Module):
         return (cache is not None and query.is_cuda and not self.training and keys.shape[2] >= SPLIT_KV_MIN_KEYS
                 and self.config._attn_implementation == "sdpa" and split_kv_supported(query, keys))
 
-    def _attend_per_document(self, attention, q, k, v, cu_seqlens, kwargs) -> torch.Tensor:
-        """Causal attention inside each document of packed rows, one call per document, with no `[T, T]` mask:
-        `q [B, T, Hq, Dh]`, `k, v [B, T, Hkv, Dh]`, `cu_seqlens [N + 1]` host offsets of the documents in the
-        flattened `B*T` tokens (none crosses a row) -> `[B, T, Hq, Dh]`. The documents are `split` off the
-        flattened tokens, so the backward joins their gradients in one concatenation."""
+    def _attend_per_document(self, attention, q, k, v, packed, kwargs) -> torch.Tensor:
+        """Causal attention inside each document of packed rows, with no `[T, T]` mask: `q [B, T, Hq, Dh]`, `k, v [B,
+        T, Hkv, Dh]` -> `[B, T, Hq, Dh]`. With `varlen_packed`, one `varlen_attn` call over the flattened tokens and
+        the documents' offsets; else one SDPA call per document, `split` off the flattened tokens (the backward joins
+        their gradients in one concatenation)."""
+        cu_seqlens = packed.cu_seqlens  # [N + 1] host offsets in the flattened B*T tokens (none crosses a row)
+        if varlen_packed(q.device, q.dtype, self.config, self.training) and k.shape[:2] == q.shape[:2]:
+            kw = _varlen_kwargs(self.num_key_value_groups)
+            flat_k, flat_v = k.flatten(0, 1), v.flatten(0, 1)  # [B*T, Hkv, Dh]
+            if "enable_gqa" not in kw and self.num_key_value_groups > 1:
+                flat_k, flat_v = (x.repeat_interleave(self.num_key_value_groups, 1) for x in (flat_k, flat_v))
+            longest = packed.longest_document
+            out = varlen_attn(q.flatten(0, 1), flat_k, flat_v, packed.cu_seqlens_device, packed.cu_seqlens_device,
+                              longest, longest, scale=self.scaling, **kw)
+            return out.view(q.shape)
         lengths = cu_seqlens.diff().tolist()
         pieces = zip(*(x.flatten(0, 1).split(lengths) for x in (q, k, v)))
         outs = []
@@ -711,7 +747,11 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
                     attended = visible if attended is None else attended & visible
             elif isinstance(cache, KDAMoEStaticCache) and packed is not None:  # its first forward
                 cache.keep_from(packed.last_doc_start)
-            mask = build_attention_mask(attended, packed, seq_len, past_len, inputs_embeds.device)
+            if (packed is not None and attended is None and cache is None
+                    and varlen_packed(inputs_embeds.device, inputs_embeds.dtype, self.config, self.training)):
+                mask = None  # the attention layers attend within each document through varlen_attn
+            else:
+                mask = build_attention_mask(attended, packed, seq_len, past_len, inputs_embeds.device)
 
         start = ResidualState.start(inputs_embeds, self.config.residual_mode)
         completed, partial = start.completed, start.partial
