@@ -747,9 +747,10 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
                     attended = visible if attended is None else attended & visible
             elif isinstance(cache, KDAMoEStaticCache) and packed is not None:  # its first forward
                 cache.keep_from(packed.last_doc_start)
-            if (packed is not None and attended is None and cache is None
+            if (packed is not None and attended is None
                     and varlen_packed(inputs_embeds.device, inputs_embeds.dtype, self.config, self.training)):
-                mask = None  # the attention layers attend within each document through varlen_attn
+                mask = None  # the attention layers attend within each document through varlen_attn (packed rows
+                # come without a past: this forward's keys are all there are)
             else:
                 mask = build_attention_mask(attended, packed, seq_len, past_len, inputs_embeds.device)
 
