@@ -335,7 +335,7 @@ class KDAMoEKimiDeltaAttention(nn.Module):
 
 # SDPA's backends where the shapes vary from call to call (a cache: every decode step has a new key length; packed
 # documents: each its own length). cuDNN's kernel (torch's first choice on Hopper, 1.6-1.9x the flash kernel's speed
-# on causal attention) builds an execution plan per shape, ~70 ms; the flash / memory-efficient kernels need none.
+# on causal attention) builds an execution plan per shape, tens of ms; the flash / memory-efficient kernels need none.
 # A call of at least CUDNN_MIN_SCORES query x key positions (a prefill or document of ~180K tokens and more: the
 # flash kernel's time there, ~0.2 s on an H100 at 8 heads of 128, is more than twice the plan's) takes cuDNN first.
 _VARYING_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
