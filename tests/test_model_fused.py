@@ -125,24 +125,33 @@ def test_cuda_moe_step_synchronises_once_for_the_balancing_statistics():
 
 
 @gpu_only
-def test_cuda_packed_documents_through_varlen_equal_the_masked_path(monkeypatch):
-    """bf16 packed rows: the attention layers' one `varlen_attn` call per forward against the block-diagonal mask
-    (varlen off): logits and every gradient to bf16 tolerance, and the step does not synchronise."""
+@pytest.mark.parametrize("precision", ["bf16", "amp"])
+def test_cuda_packed_documents_through_varlen_equal_the_masked_path(monkeypatch, precision):
+    """Packed rows with bf16 weights, and with fp32 weights under bf16 autocast (as `kdamoe-train` runs): the
+    attention layers' one `varlen_attn` call per forward against the block-diagonal mask (varlen off): logits and
+    every gradient to bf16 tolerance, and the step does not synchronise."""
     from kdamoe.model import modeling_kdamoe
 
     if modeling_kdamoe.varlen_attn is None:
         pytest.skip("this torch has no torch.nn.attention.varlen")
-    model = make_model(mlp_layer_types=["dense"] * 4).cuda().bfloat16().train()
+    model = make_model(mlp_layer_types=["dense"] * 4).cuda().train()
+    if precision == "bf16":
+        model.bfloat16()
     ids = torch.randint(3, 97, (2, 150), device="cuda")
     positions = torch.cat([torch.arange(70), torch.arange(50), torch.arange(30)]).repeat(2, 1)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "amp"):
+            return loss_and_grads(model, ids, position_ids=positions)
+
     calls = []
     varlen = modeling_kdamoe.varlen_attn
     monkeypatch.setattr(modeling_kdamoe, "varlen_attn", lambda *a, **k: calls.append(1) or varlen(*a, **k))
-    out, grads = loss_and_grads(model, ids, position_ids=positions)
+    out, grads = step()
     assert len(calls) == 1  # the one attention layer
-    assert count_syncs(lambda: loss_and_grads(model, ids, position_ids=positions)) == 0
+    assert count_syncs(step) == 0
     monkeypatch.setattr(modeling_kdamoe, "varlen_attn", None)
-    ref, ref_grads = loss_and_grads(model, ids, position_ids=positions)
+    ref, ref_grads = step()
     rel = (out.logits.float() - ref.logits.float()).norm() / ref.logits.float().norm()
     assert rel < 1e-2, rel
     for name in ref_grads:

@@ -354,10 +354,8 @@ def sdpa_backends(query_len: int, key_len: int, shapes_vary: bool) -> list[SDPBa
 
 def varlen_packed(device: torch.device, dtype: torch.dtype, config, training: bool) -> bool:
     """Whether the attention layers attend within packed documents through one `varlen_attn` call (flash, GQA) rather
-    than a block-diagonal mask or one SDPA call a document: on CUDA with 16-bit attention inputs (`dtype`: the
-    autocast dtype where autocast is on) and the SDPA implementation, without dropout."""
-    if torch.is_autocast_enabled(device.type):
-        dtype = torch.get_autocast_dtype(device.type)
+    than a block-diagonal mask or one SDPA call a document: on CUDA with 16-bit attention inputs (`dtype`), the SDPA
+    implementation, without dropout."""
     return (varlen_attn is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
             and config._attn_implementation == "sdpa" and not (training and config.attention_dropout > 0))
 
@@ -747,8 +745,10 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
                     attended = visible if attended is None else attended & visible
             elif isinstance(cache, KDAMoEStaticCache) and packed is not None:  # its first forward
                 cache.keep_from(packed.last_doc_start)
-            if (packed is not None and attended is None
-                    and varlen_packed(inputs_embeds.device, inputs_embeds.dtype, self.config, self.training)):
+            device, dtype = inputs_embeds.device, inputs_embeds.dtype
+            if torch.is_autocast_enabled(device.type):  # the attention inputs' dtype
+                dtype = torch.get_autocast_dtype(device.type)
+            if packed is not None and attended is None and varlen_packed(device, dtype, self.config, self.training):
                 mask = None  # the attention layers attend within each document through varlen_attn (packed rows
                 # come without a past: this forward's keys are all there are)
             else:
