@@ -336,8 +336,8 @@ class KDAMoEKimiDeltaAttention(nn.Module):
 # SDPA's backends where the shapes vary from call to call (a cache: every decode step has a new key length; packed
 # documents: each its own length). cuDNN's kernel (torch's first choice on Hopper, 1.6-1.9x the flash kernel's speed
 # on causal attention) builds an execution plan per shape, tens of ms; the flash / memory-efficient kernels need none.
-# A call of at least CUDNN_MIN_SCORES query x key positions (a prefill or document of ~180K tokens and more: the
-# flash kernel's time there, ~0.2 s on an H100 at 8 heads of 128, is more than twice the plan's) takes cuDNN first.
+# A call of at least CUDNN_MIN_SCORES query x key positions (a prefill or document of ~180K tokens and more, where
+# cuDNN saves ~0.1 s a call on an H100 at 8 heads of 128, twice its plan's cost and more) takes cuDNN first.
 _VARYING_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 CUDNN_MIN_SCORES = 2**35
 
@@ -355,9 +355,10 @@ def sdpa_backends(query_len: int, key_len: int, shapes_vary: bool) -> list[SDPBa
 def varlen_packed(device: torch.device, dtype: torch.dtype, config, training: bool) -> bool:
     """Whether the attention layers attend within packed documents through one `varlen_attn` call (flash, GQA) rather
     than a block-diagonal mask or one SDPA call a document: on CUDA with 16-bit attention inputs (`dtype`), the SDPA
-    implementation, without dropout."""
+    implementation, a head dim the flash kernel takes (a multiple of 8 up to 256), without dropout."""
     return (varlen_attn is not None and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-            and config._attn_implementation == "sdpa" and not (training and config.attention_dropout > 0))
+            and config._attn_implementation == "sdpa" and config.head_dim % 8 == 0 and config.head_dim <= 256
+            and not (training and config.attention_dropout > 0))
 
 
 def _varlen_kwargs(group: int) -> dict:
