@@ -1,14 +1,15 @@
-"""How precisely the chunk solve ``T = (I + A_kk)^-1`` comes out with its dots in tf32, tf32x3, fp32, and stored in
-bf16.
+"""How precisely the chunk solve ``T = (I + A_kk)^-1`` comes out with its dots in tf32, bf16x3, tf32x3, fp32, and stored
+in bf16.
 
-The KDA forward inverts each chunk's unit lower-triangular ``I + A_kk`` (``kda_chunk_intra._solve``): 16 x 16 diagonal
-blocks by the nilpotent product ``(I − L)(I + L²)(I + L⁴)(I + L⁸)``, then block forward substitution. This script
-runs that algorithm in torch with every dot's inputs rounded to tf32 (10 mantissa bits, what ``tl.dot(...,
+The KDA forward inverts each chunk's unit lower-triangular ``I + A_kk`` (``kda_chunk_intra._solve``): 16 x 16
+diagonal blocks by the nilpotent product ``(I − L)(I + L²)(I + L⁴)(I + L⁸)``, then block forward substitution. This
+script runs that algorithm in torch with every dot's inputs rounded to tf32 (10 mantissa bits, what ``tl.dot(...,
 input_precision="tf32")`` feeds the tensor cores), split into a tf32 high part and the remainder of which the three
 products that matter are summed (``"tf32x3"``, the kernel's ``_dot``: three tensor-core products, the high parts
-rounded, the remainders truncated to tf32 by the tensor cores) or kept in fp32 (``"ieee"``, FMA), on chunks of keys
-that share a few directions (as a trained model's do; random keys give a well-conditioned ``A_kk``), and reports
-the error of T against the float64 inverse relative to T's largest entry. CPU only, seconds.
+rounded, the remainders truncated to tf32 by the tensor cores; ``"bf16x3"`` the same with bf16 halves, as fla-core
+runs its safe-gate backward) or kept in fp32 (``"ieee"``, FMA), on chunks of keys that share a few directions (as a
+trained model's do; random keys give a well-conditioned ``A_kk``), and reports the error of T against the float64
+inverse relative to T's largest entry. CPU only, seconds.
 
     PYTHONPATH=src python benchmarks/solve_precision.py --chunks 128 --out solve_precision.json
 """
@@ -38,9 +39,13 @@ def dot(a: torch.Tensor, b: torch.Tensor, precision: str) -> torch.Tensor:
     ``precision``."""
     if precision == "tf32":
         a, b = round_tf32(a), round_tf32(b)
-    if precision == "tf32x3":  # a_hi b_hi + a_hi b_lo + a_lo b_hi (a_lo b_lo is below fp32's rounding)
-        ah, bh = round_tf32(a), round_tf32(b)
-        al, bl = truncate_tf32(a - ah), truncate_tf32(b - bh)
+    if precision in ("tf32x3", "bf16x3"):  # a_hi b_hi + a_hi b_lo + a_lo b_hi (a_lo b_lo dropped)
+        if precision == "tf32x3":
+            ah, bh = round_tf32(a), round_tf32(b)
+            al, bl = truncate_tf32(a - ah), truncate_tf32(b - bh)
+        else:  # bf16 halves (8 mantissa bits each): half the tensor-core time of tf32x3
+            ah, bh = a.bfloat16().float(), b.bfloat16().float()
+            al, bl = (a - ah).bfloat16().float(), (b - bh).bfloat16().float()
         return (ah.double() @ bh.double() + ah.double() @ bl.double() + al.double() @ bh.double()).float()
     return (a.double() @ b.double()).float()
 
@@ -88,7 +93,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None, help="results JSON")
     args = p.parse_args()
     gen = torch.Generator().manual_seed(args.seed)
-    errors = {"tf32 dots": [], "tf32x3 dots": [], "fp32 dots": [], "tf32x3 dots, stored bf16": []}
+    errors = {"tf32 dots": [], "bf16x3 dots": [], "tf32x3 dots": [], "fp32 dots": [], "tf32x3 dots, stored bf16": []}
     largest = []
     for _ in range(args.chunks):
         akk = correlated_chunk(gen, args.head_dim, args.directions, args.noise)
@@ -96,7 +101,8 @@ def main() -> None:
         scale = ref.abs().max()
         largest.append(float(scale))
         x3 = solve(akk.float(), "tf32x3")
-        for name, t in (("tf32 dots", solve(akk.float(), "tf32")), ("tf32x3 dots", x3),
+        for name, t in (("tf32 dots", solve(akk.float(), "tf32")), ("bf16x3 dots", solve(akk.float(), "bf16x3")),
+                        ("tf32x3 dots", x3),
                         ("fp32 dots", solve(akk.float(), "ieee")), ("tf32x3 dots, stored bf16", x3.bfloat16())):
             errors[name].append(float((t.double() - ref).abs().max() / scale))
     rows = []
