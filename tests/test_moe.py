@@ -376,12 +376,17 @@ def test_router_bias_is_a_persistent_fp32_buffer():
 
 
 @pytest.mark.parametrize("num_shared", [0, 2])
-def test_block_output_equals_router_plus_experts_plus_shared(num_shared):
+@pytest.mark.parametrize("parts", [1, 4])
+def test_block_output_equals_router_plus_experts_plus_shared(num_shared, parts, monkeypatch):
+    """Also an inference forward longer than MOE_INFERENCE_TOKENS (3 here: 10 tokens in 4 parts)."""
     config = make_config(num_shared_experts=num_shared)
     block = init_(KDAMoESparseMoeBlock(config)).double().eval()
     assert (block.shared_experts is None) == (num_shared == 0)
     x = torch.randn(2, 5, 16, dtype=torch.float64)
-    out, logits, aux = block(x)
+    if parts > 1:
+        monkeypatch.setattr(moe, "MOE_INFERENCE_TOKENS", 3)
+    with torch.set_grad_enabled(parts == 1):
+        out, logits, aux = block(x)
     flat = x.reshape(-1, 16)
     ref_logits = flat @ block.router.weight.T
     s = torch.sigmoid(ref_logits)

@@ -693,13 +693,20 @@ class QuantileHistogram:
         return QuantileHistogram(self.counts.shape[0], self.num_bins, self._edge(b), self._edge(b + 1))
 
 
+# Inference forwards (no grad) run the experts on at most this many tokens at a time: a 1M-token prefill's sorted
+# rows and expert activations (top-8 at hidden 1024: 16 GiB of rows alone) stay at an eighth of that. Training keeps
+# one pass (autograd keeps every chunk's activations anyway); with expert parallelism every rank must make the same
+# collective calls, so it keeps one pass too.
+MOE_INFERENCE_TOKENS = 1 << 17
+
+
 class KDAMoESparseMoeBlock(nn.Module):
     """Router + routed experts + optional shared experts, with the per-optimizer-step balancing of docs/design.md §3.
 
     `forward(hidden_states [B, T, D], token_mask [B, T] bool or None) -> (out [B, T, D], router_logits [B*T, E]
-    fp32, aux_loss or None)`. In training mode with grad enabled (and outside a backward pass, so the recompute of
-    non-reentrant activation checkpointing is not counted twice), balancing statistics of the real tokens
-    (`token_mask` True) accumulate until `apply_balancing()`: the loads, and for Quantile Balancing the router
+    fp32, aux_loss or None)`; without grad, more than MOE_INFERENCE_TOKENS tokens go through the experts in parts.
+    In training mode with grad enabled (and outside a backward pass, so the recompute of non-reentrant activation
+    checkpointing is not counted twice), balancing statistics of the real tokens (`token_mask` True) accumulate until `apply_balancing()`: the loads, and for Quantile Balancing the router
     logits (`[tokens, E]` fp32, kept until the optimizer step) and the sum of the router inputs (`[D]`).
     """
 
@@ -736,13 +743,23 @@ class KDAMoESparseMoeBlock(nn.Module):
         mask = None if token_mask is None else token_mask.reshape(-1).to(torch.bool)
         if self.training and torch.is_grad_enabled() and _outside_backward():
             self._accumulate(x, logits, top_k_index, mask)
-        out = self.experts(x, top_k_index, top_k_weights)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+        if torch.is_grad_enabled() or x.shape[0] <= MOE_INFERENCE_TOKENS or self.experts.expert_parallel is not None:
+            out = self._expert_outputs(x, top_k_index, top_k_weights)
+        else:  # a long inference forward, MOE_INFERENCE_TOKENS tokens at a time
+            out = None
+            for s in range(0, x.shape[0], MOE_INFERENCE_TOKENS):
+                part = self._expert_outputs(*(t[s:s + MOE_INFERENCE_TOKENS] for t in (x, top_k_index, top_k_weights)))
+                out = part.new_empty(x.shape[0], part.shape[1]) if out is None else out
+                out[s:s + part.shape[0]] = part
         aux_loss = None
         if self.training and self.balancing == "aux_loss":
             aux_loss = self._aux_loss(scores, top_k_index, mask)
         return out.view_as(hidden_states), logits, aux_loss
+
+    def _expert_outputs(self, x, top_k_index, top_k_weights) -> torch.Tensor:
+        """The routed experts' weighted sum plus the shared experts' output, `[N, D]`."""
+        out = self.experts(x, top_k_index, top_k_weights)
+        return out + self.shared_experts(x) if self.shared_experts is not None else out
 
     def _aux_loss(self, scores, top_k_index, mask) -> torch.Tensor:
         """Switch-style `coef * E * sum_j f_j P_j`: f_j = share of routed slots, P_j = mean normalised score."""
