@@ -17,9 +17,10 @@ rest 64 experts top-8 of width 384 plus 1 shared expert, Block AttnRes with 3 la
 
 Rows: `dense` (8x4096), `attnres` (8x4096, Block AttnRes), `packed` (8x4096 as documents of 1024 tokens: ours gets
 `position_ids` restarting every 1024 tokens, on the host as `kdamoe-train` passes them, and labels -100 at document
-starts, as `kdamoe.data.rows_to_batch` makes them; fla gets the rows flattened to 1x32768 with `cu_seqlens`, its varlen interface), `moe` (8x4096,
-the hybrid), `moe_packed` (the hybrid on packed documents of 1024, as `packed`), `long_64k` / `long_256k` / `long_1m` (1 row of 65536 / 262144 / 1048576 tokens, activation
-checkpointing through `gradient_checkpointing_enable()` on both).
+starts, as `kdamoe.data.rows_to_batch` makes them; fla gets the rows flattened to 1x32768 with `cu_seqlens`, its
+varlen interface), `moe` (8x4096, the hybrid), `moe_packed` (the hybrid on packed documents of 1024, as `packed`),
+`long_64k` / `long_256k` / `long_1m` (1 row of 65536 / 262144 / 1048576 tokens, activation checkpointing through
+`gradient_checkpointing_enable()` on both).
 
 A step is what a trainer does: forward with `labels` (both models shift them inside), backward, AdamW step
 (fused on CUDA), `zero_grad(set_to_none=True)` and, for ours, `apply_load_balancing(to_host=False)` (the bias update;

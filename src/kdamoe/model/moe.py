@@ -706,8 +706,9 @@ class KDAMoESparseMoeBlock(nn.Module):
     `forward(hidden_states [B, T, D], token_mask [B, T] bool or None) -> (out [B, T, D], router_logits [B*T, E]
     fp32, aux_loss or None)`; without grad, more than MOE_INFERENCE_TOKENS tokens go through the experts in parts.
     In training mode with grad enabled (and outside a backward pass, so the recompute of non-reentrant activation
-    checkpointing is not counted twice), balancing statistics of the real tokens (`token_mask` True) accumulate until `apply_balancing()`: the loads, and for Quantile Balancing the router
-    logits (`[tokens, E]` fp32, kept until the optimizer step) and the sum of the router inputs (`[D]`).
+    checkpointing is not counted twice), balancing statistics of the real tokens (`token_mask` True) accumulate
+    until `apply_balancing()`: the loads, and for Quantile Balancing the router logits (`[tokens, E]` fp32, kept
+    until the optimizer step) and the sum of the router inputs (`[D]`).
     """
 
     def __init__(self, config):
