@@ -156,6 +156,49 @@ def test_packed_documents_do_not_see_each_other():
     torch.testing.assert_close(out[:, 13:], alone_b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("signature", ["this torch", "is_causal, no enable_gqa"])
+def test_packed_attention_through_varlen_equals_the_masked_path(monkeypatch, signature):
+    """The varlen path's plumbing (flattened rows, offsets, GQA, scale) on the CPU in float64: a per-document SDPA
+    reference stands in for `varlen_attn` (flash, CUDA only); logits and gradients equal the masked path's. The
+    second case takes the older signature (`is_causal`, no `enable_gqa`: the key-value heads repeated)."""
+    from torch.nn import functional as F
+
+    from kdamoe.model import modeling_kdamoe
+
+    calls = []
+
+    def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), is_causal=False,
+                         enable_gqa=False):
+        assert (is_causal or window_size == (-1, 0)) and torch.equal(cu_q, cu_k)
+        assert max_q == max_k == int(cu_q.diff().max())
+        calls.append(enable_gqa)
+        bounds = cu_q.tolist()
+        return torch.cat([F.scaled_dot_product_attention(*(x[a:b].transpose(0, 1) for x in (q, k, v)), is_causal=True,
+                                                         scale=scale, enable_gqa=enable_gqa).transpose(0, 1)
+                          for a, b in zip(bounds[:-1], bounds[1:])])
+
+    model = make_model(router_balancing="none").double().train()
+    ids = torch.randint(3, 97, (2, 30))
+    position_ids = torch.cat([torch.arange(11), torch.arange(19), torch.arange(7), torch.arange(23)]).view(2, 30)
+
+    def run():
+        model.zero_grad()
+        out = model(ids, position_ids=position_ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        return out.logits, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref_logits, ref_grads = run()
+    monkeypatch.setattr(modeling_kdamoe, "varlen_attn", reference_varlen)
+    monkeypatch.setattr(modeling_kdamoe, "varlen_packed", lambda *args: True)
+    if signature != "this torch":
+        monkeypatch.setattr(modeling_kdamoe, "_VARLEN_PARAMETERS", {"is_causal": None})
+    logits, grads = run()
+    assert calls == [signature == "this torch" and "enable_gqa" in modeling_kdamoe._VARLEN_PARAMETERS]  # one layer
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-10, atol=1e-10)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-9, atol=1e-10, msg=name)
+
+
 def test_gradient_checkpointing_gives_same_gradients():
     model = make_model(router_balancing="none").train()
     ids = torch.randint(3, 97, (2, 16))
