@@ -17,6 +17,8 @@
 #   benchmarks/bench_decode.py (DECODE_MODELS, DECODE_CONTEXTS, DECODE_BATCHES,
 #   DECODE_MAX_PREFILL narrow it);
 #   `PROFILE=1 REST=0 ...`: benchmarks/profile_ops.py (kernel tables, ours vs fla-core; autotunes fla again);
+#   `SDPA=1 REST=0 ...` (~2 min): benchmarks/bench_sdpa.py, the attention layers' kernels at the hybrid's shapes
+#   (SDPA_SHAPES narrows them);
 #   `LONG=1 REST=0 bash tools/gpu_suite.sh` (~8 min; carry .gpu/tok32k and .gpu/fla_autotune.tgz): million-token
 #   contexts, each part under its own limit (LONG_TEST_S, LONG_BENCH_S, LONG_TRAIN_S, LONG_LOCALIZE_S, LONG_EVAL_S;
 #   0 skips it; LONG_PARTS narrows the benchmark's parts):
@@ -65,13 +67,18 @@ if [ "${MODEL:-0}" = 1 ]; then
   fi
   if [ "${MODEL_BENCH_S:-330}" != 0 ]; then
     echo "== bench_model (ours against fla's KDAForCausalLM, one process)"
-    timeout "${MODEL_BENCH_S:-330}" python3 benchmarks/bench_model.py --rows "${MODEL_ROWS:-dense,attnres,packed,moe}" \
+    timeout "${MODEL_BENCH_S:-330}" python3 benchmarks/bench_model.py --rows "${MODEL_ROWS:-dense,attnres,packed,moe,moe_packed}" \
       --steps 6 --warmup 2 --profile "${MODEL_PROFILE:-attnres}" --memory "${MODEL_MEMORY:-dense}" \
       --precision "${MODEL_PRECISION:-bf16}" $(for alt in ${MODEL_ALT:-}; do printf -- '--alt %s ' "$alt"; done) \
       --out "$OUT/model_h200.json" 2>&1 \
       | grep -v -i warn | tee "$OUT/bench_model.log" | tail -25
   fi
   (cd ~/.triton/cache && find . -name "*.autotune.json" | tar czf "$OUT/fla_autotune.tgz" -T -)
+fi
+if [ "${SDPA:-0}" = 1 ]; then
+  echo "== bench_sdpa (the attention layers' kernels)"
+  timeout "${SDPA_S:-300}" python3 benchmarks/bench_sdpa.py ${SDPA_SHAPES:+--shapes "$SDPA_SHAPES"} \
+    --out "$OUT/sdpa.json" 2>&1 | grep -v -i warn | tee "$OUT/bench_sdpa.log" | grep "^|"
 fi
 if [ "${DECODE:-0}" = 1 ]; then
   [ -f .gpu/fla_autotune.tgz ] && mkdir -p ~/.triton/cache && tar xzf .gpu/fla_autotune.tgz -C ~/.triton/cache
