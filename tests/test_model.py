@@ -293,7 +293,7 @@ def test_eager_attention_equals_sdpa(tmp_path):
 
 def test_sdpa_backends_take_cudnn_only_where_its_plan_pays():
     """cuDNN builds a plan per shape: decode steps and short documents keep the plan-free kernels, a long prefill or
-    document takes cuDNN first, and fixed shapes (a training step) leave the choice to torch."""
+    document enables cuDNN (torch's first choice on Hopper), and fixed shapes (a training step) leave the choice to torch."""
     from torch.nn.attention import SDPBackend
 
     from kdamoe.model.modeling_kdamoe import CUDNN_MIN_SCORES, sdpa_backends

@@ -337,14 +337,15 @@ class KDAMoEKimiDeltaAttention(nn.Module):
 # documents: each its own length). cuDNN's kernel (torch's first choice on Hopper, 1.6-1.9x the flash kernel's speed
 # on causal attention) builds an execution plan per shape, tens of ms; the flash / memory-efficient kernels need none.
 # A call of at least CUDNN_MIN_SCORES query x key positions (a prefill or document of ~180K tokens and more, where
-# cuDNN saves ~0.1 s a call on an H100 at 8 heads of 128, twice its plan's cost and more) takes cuDNN first.
+# cuDNN saves ~0.1 s a call on an H100 at 8 heads of 128, twice its plan's cost and more) enables cuDNN too: torch
+# ranks it first on Hopper, so there it runs.
 _VARYING_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 CUDNN_MIN_SCORES = 2**35
 
 
 def sdpa_backends(query_len: int, key_len: int, shapes_vary: bool) -> list[SDPBackend] | None:
-    """The SDPA backends, in order, for one CUDA attention call of `query_len` queries over `key_len` keys; None:
-    torch's own choice (fixed shapes, as in a training step)."""
+    """The SDPA backends enabled for one CUDA attention call of `query_len` queries over `key_len` keys (torch picks
+    among them in its own priority); None: all of them (fixed shapes, as in a training step)."""
     if not shapes_vary:
         return None
     if query_len * key_len >= CUDNN_MIN_SCORES:
