@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import inspect
 import json
 import math
 from pathlib import Path
@@ -36,6 +35,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from kdamoe.model import modeling_kdamoe
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION, "default": None}
@@ -89,17 +90,14 @@ def attend(method: str, q, k, v, doc: int | None):
             outs = [F.scaled_dot_product_attention(q[..., s:s + doc, :], k[..., s:s + doc, :], v[..., s:s + doc, :],
                                                    is_causal=True, enable_gqa=True) for s in range(0, t, doc)]
         return torch.cat(outs, dim=2)
-    from torch.nn.attention.varlen import varlen_attn  # torch >= 2.10
-
+    if modeling_kdamoe.varlen_attn is None:
+        raise ImportError("this torch has no torch.nn.attention.varlen")
     flat = [x.transpose(1, 2).reshape(b * t, x.shape[1], dim) for x in (q, k, v)]  # [B T, H, Dh]
     cu = torch.arange(0, b * t + 1, doc, device=q.device, dtype=torch.int32)
-    params = inspect.signature(varlen_attn).parameters
-    kwargs = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
-    if "enable_gqa" in params:
-        kwargs["enable_gqa"] = True
-    else:
+    kwargs = modeling_kdamoe._varlen_kwargs(group)  # as the model calls it
+    if "enable_gqa" not in kwargs:
         flat[1:] = [x.repeat_interleave(group, 1) for x in flat[1:]]
-    out = varlen_attn(*flat, cu, cu, doc, doc, **kwargs)
+    out = modeling_kdamoe.varlen_attn(*flat, cu, cu, doc, doc, **kwargs)
     return out.view(b, t, hq, dim).transpose(1, 2)
 
 

@@ -451,7 +451,6 @@ class KDAMoEAttention(nn.Module):
         T, Hkv, Dh]` -> `[B, T, Hq, Dh]`. With `varlen_packed`, one `varlen_attn` call over the flattened tokens and
         the documents' offsets; else one SDPA call per document, `split` off the flattened tokens (the backward joins
         their gradients in one concatenation)."""
-        cu_seqlens = packed.cu_seqlens  # [N + 1] host offsets in the flattened B*T tokens (none crosses a row)
         if varlen_packed(q.device, q.dtype, self.config, self.training) and k.shape[:2] == q.shape[:2]:
             kw = _varlen_kwargs(self.num_key_value_groups)
             flat_k, flat_v = k.flatten(0, 1), v.flatten(0, 1)  # [B*T, Hkv, Dh]
@@ -461,7 +460,7 @@ class KDAMoEAttention(nn.Module):
             out = varlen_attn(q.flatten(0, 1), flat_k, flat_v, packed.cu_seqlens_device, packed.cu_seqlens_device,
                               longest, longest, scale=self.scaling, **kw)
             return out.view(q.shape)
-        lengths = cu_seqlens.diff().tolist()
+        lengths = packed.cu_seqlens.diff().tolist()  # host offsets in the flattened B*T tokens (none crosses a row)
         pieces = zip(*(x.flatten(0, 1).split(lengths) for x in (q, k, v)))
         outs = []
         for length, piece in zip(lengths, pieces):
