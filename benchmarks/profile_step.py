@@ -4,9 +4,10 @@
     python benchmarks/profile_step.py --preset tiny --rows 2 --seq-len 256          # CPU smoke run
 
 Random tokens packed as documents of random lengths (`position_ids` restart at each document, as in training),
-so the varlen KDA path, block-diagonal attention masks and the MoE permutation all run. Prints the step time,
-tokens/s, and the most expensive kernels (device time on CUDA, CPU time otherwise); writes a JSON summary and
-a Chrome trace next to `--out`.
+so the varlen KDA path, the packed attention (`varlen_attn` on CUDA, block-diagonal masks elsewhere) and the MoE
+permutation all run; fp32 weights under bf16 autocast and the fused loss, as `kdamoe-train` trains. Prints the step
+time, tokens/s, the GPU kernels by total time (CUDA) and the operators (device time on CUDA, CPU time otherwise);
+writes a JSON summary and a Chrome trace next to `--out`.
 """
 
 import argparse
@@ -45,7 +46,9 @@ def main() -> None:
     args = p.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    model = kdamoe.KDAMoEForCausalLM(kdamoe.KDAMoEConfig(vocab_size=args.vocab_size, **PRESETS[args.preset].model))
+    # the loss as kdamoe-train computes it: chunk by chunk from the hidden states, no [tokens, vocab] logits
+    config = kdamoe.KDAMoEConfig(vocab_size=args.vocab_size, fuse_linear_cross_entropy=True, **PRESETS[args.preset].model)
+    model = kdamoe.KDAMoEForCausalLM(config)
     model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     batch = packed_batch(args.rows, args.seq_len, args.vocab_size, device)
@@ -90,6 +93,16 @@ def main() -> None:
             for e in sorted(averages, key=lambda e: -getattr(e, sort_key))[: args.top]
         ],
     }
+    if device.type == "cuda":
+        kernels = sorted((e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA),
+                         key=lambda e: -e.device_time_total)
+        total = sum(e.device_time_total for e in kernels)
+        summary["kernel_ms"] = total / 1e3
+        summary["kernels"] = [{"name": e.key, "launches": e.count, "ms": e.device_time_total / 1e3}
+                              for e in kernels[: args.top]]
+        print(f"GPU kernels: {total / 1e3:.2f} ms in all\n     ms    share  launches  kernel")
+        for e in kernels[: args.top]:
+            print(f"{e.device_time_total / 1e3:9.3f} {100 * e.device_time_total / total:6.2f}% {e.count:8d}  {e.key[:100]}")
     print(table)
     print(f"step {summary['step_ms']:.1f} ms, {summary['tokens_per_second']:.0f} tokens/s, "
           f"{summary['aten_calls_per_step']} aten calls")
