@@ -347,6 +347,32 @@ def test_kernels_take_sources_of_mixed_dtypes(small_tiles, norm):
         assert rel(g, w) < 1e-2 and rel(g, t) < 1e-2, s
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=kernel_test)])
+def test_norm_output_in_out_dtype_is_the_rounding_of_the_wide_output(small_tiles, backend):
+    """``out_dtype`` with the norm (a KDA layer's or dense MLP's input under autocast): the output equals the fp32
+    output rounded to that dtype, and the gradients from a cotangent in it equal those from the same cotangent widened
+    to fp32, bit for bit. fp16, as the interpreter truncates bf16 casts."""
+    module, sources = make(3, 2, 7, 48)
+    mod, ours = on_dev(module, sources)
+    ours = [v.detach().float() for v in ours]
+    weight = (1 + 0.3 * torch.randn(48)).to(DEV)
+    cot = torch.randn(2, 7, 48).to(DEV, torch.float16)
+
+    def run(out_dtype):
+        leaves = [v.clone().requires_grad_() for v in ours]
+        mod.zero_grad(set_to_none=True)
+        out = mod(leaves, backend=backend, norm=(weight, 1e-5), out_dtype=out_dtype)
+        out.backward(cot.to(out.dtype))
+        return out, [v.grad for v in leaves] + [mod.query.grad, mod.key_norm_weight.grad]
+
+    out16, grads16 = run(torch.float16)
+    out32, grads32 = run(None)
+    assert out16.dtype == torch.float16 and out32.dtype == torch.float32
+    assert torch.equal(out16, out32.to(torch.float16))
+    for a, b in zip(grads16, grads32):
+        assert torch.equal(a, b)
+
+
 @kernel_test
 def test_kernel_dispatch():
     """Non-contiguous sources are copied; what the kernels cannot take falls back to torch, or raises when forced."""

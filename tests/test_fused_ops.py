@@ -254,6 +254,34 @@ def test_add_rms_norm_rounds_h_as_the_add_and_returns_each_input_its_dtype():
         assert rel(g, want_g.double()) < 1e-3
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=kernel_test)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_norm_output_in_out_dtype_is_the_rounding_of_the_fp32_output(small_tiles, backend, residual):
+    """``out_dtype`` (a norm before a projection under autocast): the output equals the fp32 output rounded to that
+    dtype, and the gradients from a cotangent in it equal those from the same cotangent widened to fp32, bit for bit
+    (h, with the residual, stays fp32). fp16, as the interpreter truncates bf16 casts."""
+    r, x = torch.randn(12, 40).to(DEV), torch.randn(12, 40).to(DEV)
+    w = (1 + 0.3 * torch.randn(40)).to(DEV)
+    cot = torch.randn(12, 40).to(DEV, torch.float16)
+
+    def run(out_dtype):
+        leaves = [t.clone().requires_grad_() for t in (r, x, w)]
+        if residual:
+            h, y = fused_norm.add_rms_norm(*leaves, EPS, backend=backend, out_dtype=out_dtype)
+            assert h.dtype == torch.float32
+        else:
+            y = fused_norm.rms_norm(*leaves[1:], EPS, backend=backend, out_dtype=out_dtype)
+        y.backward(cot.to(y.dtype))
+        return y, [t.grad for t in leaves[0 if residual else 1:]]
+
+    y16, grads16 = run(torch.float16)
+    y32, grads32 = run(None)
+    assert y16.dtype == torch.float16 and y32.dtype == torch.float32
+    assert torch.equal(y16, y32.to(torch.float16))
+    for a, b in zip(grads16, grads32):
+        assert torch.equal(a, b)
+
+
 @kernel_test
 @pytest.mark.parametrize("shape", [(2, 9, 3, 24), (1, 5, 4, 128), (3, 2, 2, 100)])
 def test_gated_rms_norm_kernels_match_float64(small_tiles, shape):

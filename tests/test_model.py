@@ -395,3 +395,42 @@ def test_under_autocast_the_kda_op_gets_the_autocast_dtype(monkeypatch):
     assert seen and all(dtypes == (torch.bfloat16,) * 3 for dtypes in seen)
     assert abs(float(loss) - reference) < 0.02 * reference
     assert model.model.layers[0].mixer.conv_weight.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("residual_mode", ["standard", "block_attnres"])
+def test_under_autocast_norms_before_projections_store_the_autocast_dtype(monkeypatch, residual_mode):
+    """Under autocast the norms before the KDA layers and the dense MLP store their output in the autocast dtype (the
+    attention's and the MoE block's stay fp32): the rounding the projections' own casts make of an fp32 output. The
+    loss and every gradient equal, bit for bit, those of the same model with fp32 norm outputs cast by the
+    projections."""
+    from kdamoe.model import modeling_kdamoe
+
+    model = tiny_model(residual_mode=residual_mode)
+    ids = torch.randint(3, model.config.vocab_size, (2, 48))
+    seen = []
+    hooks = [layer.mixer.register_forward_pre_hook(lambda m, args, kind=layer.layer_type: seen.append(
+        (kind, args[0].dtype))) for layer in model.model.layers]
+    hooks += [layer.ffn.register_forward_pre_hook(lambda m, args, moe=layer.is_moe: seen.append(
+        ("moe" if moe else "mlp", args[0].dtype))) for layer in model.model.layers]
+
+    def step():
+        seen.clear()
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, set(seen)
+
+    loss, grads, dtypes = step()
+    assert dtypes == {("linear_attention", torch.bfloat16), ("full_attention", torch.float32), ("mlp", torch.bfloat16),
+                      ("moe", torch.float32)}
+    monkeypatch.setattr(modeling_kdamoe, "projection_dtype", lambda x: None)
+    loss_fp32, grads_fp32, dtypes_fp32 = step()
+    assert dtypes_fp32 == {("linear_attention", torch.float32), ("full_attention", torch.float32),
+                           ("mlp", torch.float32), ("moe", torch.float32)}
+    for hook in hooks:
+        hook.remove()
+    assert torch.equal(loss, loss_fp32)
+    assert grads.keys() == grads_fp32.keys() and len(grads) > 20
+    for name, grad in grads.items():
+        assert torch.equal(grad, grads_fp32[name]), name

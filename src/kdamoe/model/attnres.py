@@ -101,13 +101,14 @@ def _backward_torch(dout, sources, u, logits, rstd, weights, needs_grad, accumul
     return du, dsources
 
 
-def _depth_attention_forward(query, key_norm_weight, eps, kernels, sources, norm=None):
+def _depth_attention_forward(query, key_norm_weight, eps, kernels, sources, norm=None, out_dtype=None):
     """``(out, logits, rstd, weights, rstd_h, sources)``: the forward of the kernels (``kernels``, as `_use_kernels`
     decided) or of the torch path, and what the backward needs. ``norm = (weight, eps)`` (the kernels only): out is
-    ``RMSNorm_weight(h)`` of the mix h, rstd_h its statistic; else rstd_h is None."""
+    ``RMSNorm_weight(h)`` of the mix h in ``out_dtype`` (None: the first source's), rstd_h its statistic; else rstd_h
+    is None."""
     if kernels:
         sources = tuple(v.contiguous() for v in sources)  # a copy only for a non-contiguous source
-        out, logits, rstd, weights, rstd_h = depth_attention_fwd(sources, query, key_norm_weight, eps, norm)
+        out, logits, rstd, weights, rstd_h = depth_attention_fwd(sources, query, key_norm_weight, eps, norm, out_dtype)
     else:  # w · (γ ⊙ x) = (w ⊙ γ) · x
         out, logits, rstd, weights = _forward_torch(sources, _wide(query) * _wide(key_norm_weight), eps)
         rstd_h = None
@@ -209,10 +210,10 @@ class _DepthAttentionFunction(torch.autograd.Function):
     `_GradientSink` that source s's gradient is added to (its gradient output is then None)."""
 
     @staticmethod
-    def forward(ctx, query, key_norm_weight, norm_weight, eps, norm_eps, kernels, sinks, *sources):
+    def forward(ctx, query, key_norm_weight, norm_weight, eps, norm_eps, out_dtype, kernels, sinks, *sources):
         norm = None if norm_weight is None else (norm_weight, norm_eps)
         out, logits, rstd, weights, rstd_h, sources = _depth_attention_forward(
-            query, key_norm_weight, eps, kernels, sources, norm)
+            query, key_norm_weight, eps, kernels, sources, norm, out_dtype)
         ctx.kernels = kernels
         ctx.norm_eps = norm_eps
         ctx.sinks = sinks
@@ -223,7 +224,7 @@ class _DepthAttentionFunction(torch.autograd.Function):
     def backward(ctx, dout):
         query, gamma, norm_weight, rstd_h, logits, rstd, weights, *sources = ctx.saved_tensors
         sinks = ctx.sinks
-        needs = [need or sink is not None for need, sink in zip(ctx.needs_input_grad[7:], sinks)]
+        needs = [need or sink is not None for need, sink in zip(ctx.needs_input_grad[8:], sinks)]
         accumulate = [sink.grad if sink is not None and sink.owned else None for sink in sinks]
         addend = _lent_gradient(sinks, accumulate)
         if ctx.kernels:  # the parameters' gradients in their dtypes, from the kernels
@@ -240,7 +241,7 @@ class _DepthAttentionFunction(torch.autograd.Function):
                 dsources[s] = None
         needs_params = ctx.needs_input_grad[:3]
         return (dquery if needs_params[0] else None, dgamma if needs_params[1] else None,
-                dnorm if needs_params[2] else None, None, None, None, None, *dsources)
+                dnorm if needs_params[2] else None, None, None, None, None, None, *dsources)
 
 
 class DepthAttention(nn.Module):
@@ -259,10 +260,11 @@ class DepthAttention(nn.Module):
         return _source_logits(tuple(sources), u, self.eps)[0].softmax(dim=0)
 
     def forward(self, sources: Sequence[torch.Tensor], backend: str | None = None,
-                norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                norm: tuple[torch.Tensor, float] | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """``backend``: None (Triton kernels for CUDA sources they take), ``"torch"`` or ``"triton"``. ``norm =
-        (weight [D], eps)``: return ``rms_norm(out, weight, eps)`` instead, in one kernel with the mix each way when
-        the kernels run (the mix is then never written nor kept for the backward), else as a separate op.
+        (weight [D], eps)``: return ``rms_norm(out, weight, eps)`` instead, in ``out_dtype`` (None: the first
+        source's dtype), in one kernel with the mix each way when the kernels run (the mix is then never written nor
+        kept for the backward), else as a separate op.
 
         Without gradients the forward runs outside the `autograd.Function`: nothing is saved, and torch.compile,
         which inlines such a call, binds the `*sources` of its forward wrongly when their count matches the
@@ -270,18 +272,19 @@ class DepthAttention(nn.Module):
         sources = tuple(sources)
         kernels = _use_kernels(backend, sources)
         if norm is not None and not kernels:
-            return rms_norm(self._mix(sources, False, None), norm[0], norm[1], backend)
-        return self._mix(sources, kernels, norm)
+            return rms_norm(self._mix(sources, False, None), norm[0], norm[1], backend, out_dtype)
+        return self._mix(sources, kernels, norm, out_dtype if norm is not None else None)
 
-    def _mix(self, sources: tuple[torch.Tensor, ...], kernels: bool,
-             norm: tuple[torch.Tensor, float] | None) -> torch.Tensor:
+    def _mix(self, sources: tuple[torch.Tensor, ...], kernels: bool, norm: tuple[torch.Tensor, float] | None,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
         params = (self.query, self.key_norm_weight) + ((norm[0],) if norm is not None else ())
         if torch.is_grad_enabled() and any(t.requires_grad for t in (*params, *sources)):
             sinks = tuple(getattr(v, "_gradient_sink", None) for v in sources)
             return _DepthAttentionFunction.apply(self.query, self.key_norm_weight, None if norm is None else norm[0],
-                                                 self.eps, None if norm is None else norm[1], kernels, sinks,
-                                                 *sources)
-        return _depth_attention_forward(self.query, self.key_norm_weight, self.eps, kernels, sources, norm)[0]
+                                                 self.eps, None if norm is None else norm[1], out_dtype, kernels,
+                                                 sinks, *sources)
+        return _depth_attention_forward(self.query, self.key_norm_weight, self.eps, kernels, sources, norm,
+                                        out_dtype)[0]
 
 
 @dataclass

@@ -252,14 +252,14 @@ if triton is not None:
             tl.store(DN + cols, tl.sum(dnw, axis=0).to(DN.dtype.element_ty), mask=m_d)
 
 
-def depth_attention_fwd(sources, query, gamma, eps, norm=None):
-    """``(out [..., D] in the first source's dtype, logits, rstd, weights [S, ...] fp32, rstd_h [...] fp32 or
-    None)`` of contiguous sources of one shape ``[..., D]`` and device (``unsupported`` is None), the pseudo-query
+def depth_attention_fwd(sources, query, gamma, eps, norm=None, out_dtype=None):
+    """``(out [..., D] in the first source's dtype or out_dtype, logits, rstd, weights [S, ...] fp32, rstd_h [...] fp32
+    or None)`` of contiguous sources of one shape ``[..., D]`` and device (``unsupported`` is None), the pseudo-query
     and key-norm gain ``[D]`` (``u = query ⊙ γ`` formed in the kernel). ``norm = (weight [D], eps)``: out is
     ``RMSNorm_weight(h)`` of the mix h (never written), and rstd_h its ``rsqrt(mean(h²) + eps)``."""
     s0, S = sources[0], len(sources)
     R, D = s0.numel() // s0.shape[-1], s0.shape[-1]
-    out = torch.empty_like(s0)
+    out = torch.empty(s0.shape, dtype=out_dtype or s0.dtype, device=s0.device)
     logits, rstd, weights = (torch.empty(S, *s0.shape[:-1], dtype=torch.float32, device=s0.device)
                              for _ in range(3))
     rstd_h = torch.empty(s0.shape[:-1], dtype=torch.float32, device=s0.device) if norm is not None else None

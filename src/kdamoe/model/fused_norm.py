@@ -1,7 +1,9 @@
 """Fused RMSNorm, gated RMSNorm and L2 norm: Triton kernels (one launch forward, one backward) with torch references.
 
 - ``rms_norm(x [..., D], weight [D], eps)``: ``KDAMoERMSNorm`` exactly: ``weight · x · rsqrt(mean(x²) + eps)``
-  in fp32, cast back to x's dtype.
+  in fp32, cast back to x's dtype, or to ``out_dtype``: under autocast a norm whose output only feeds projections
+  stores it in the autocast dtype, the rounding the projection's own cast would make (no fp32 copy written, cast and
+  read back; its gradient arrives in that dtype, as the cast's backward would widen it exactly).
 - ``add_rms_norm(residual, x [..., D], weight [D], eps)``: ``h = residual + x`` (rounded to their promoted dtype, as
   torch's add rounds it) and ``rms_norm(h)``, returning both: a residual add and the next sublayer's norm. The
   forward writes h beside the norm's output; the backward adds the gradient h receives from later sublayers into the
@@ -263,14 +265,14 @@ def _rms_bwd(x2, weight, dy2, rstd, g2=None, dres=None):
 
 
 class _RMSNormFn(torch.autograd.Function):
-    """RMSNorm (``gate`` None) or gated RMSNorm over the last dim; saves x, gate and rstd."""
+    """RMSNorm (``gate`` None) or gated RMSNorm over the last dim, the output in ``out_dtype``; saves x, gate and
+    rstd."""
 
     @staticmethod
-    def forward(ctx, x, weight, gate, eps):
+    def forward(ctx, x, weight, gate, eps, out_dtype):
         shape, D = x.shape, x.shape[-1]
         x2 = x.reshape(-1, D).contiguous()
         g2 = gate.reshape(-1, D).contiguous() if gate is not None else None
-        out_dtype = x.dtype if gate is None else torch.promote_types(x.dtype, gate.dtype)
         y, rstd, _ = _rms_fwd(x2, weight, eps, out_dtype, g2=g2)
         ctx.save_for_backward(x2, weight, g2, rstd)
         ctx.shape = shape
@@ -281,19 +283,19 @@ class _RMSNormFn(torch.autograd.Function):
         x2, weight, g2, rstd = ctx.saved_tensors
         dx, dw, dg = _rms_bwd(x2, weight, dy.reshape(x2.shape).contiguous(), rstd, g2=g2)
         shape = ctx.shape
-        return dx.view(shape), dw, None if dg is None else dg.view(shape), None
+        return dx.view(shape), dw, None if dg is None else dg.view(shape), None, None
 
 
 class _AddRMSNormFn(torch.autograd.Function):
     """``h = residual + x`` and ``RMSNorm(h)`` in one kernel each way: the forward writes h beside the norm's output
     (no separate add reading both back), the backward adds the gradient h receives from later sublayers into the
-    norm's (no separate add of two gradients). Saves h and rstd."""
+    norm's (no separate add of two gradients). The norm's output in ``out_dtype``. Saves h and rstd."""
 
     @staticmethod
-    def forward(ctx, residual, x, weight, eps):
+    def forward(ctx, residual, x, weight, eps, out_dtype):
         shape, D = x.shape, x.shape[-1]
         x2, r2 = x.reshape(-1, D).contiguous(), residual.reshape(-1, D).contiguous()
-        y, rstd, h = _rms_fwd(x2, weight, eps, torch.promote_types(residual.dtype, x.dtype), r2=r2)
+        y, rstd, h = _rms_fwd(x2, weight, eps, out_dtype, r2=r2)
         ctx.save_for_backward(h, weight, rstd)
         ctx.shape, ctx.dtypes = shape, (residual.dtype, x.dtype)
         ctx.set_materialize_grads(False)
@@ -308,7 +310,7 @@ class _AddRMSNormFn(torch.autograd.Function):
             dres = dh.reshape(h.shape).contiguous() if dh is not None else None
             dx, dw, _ = _rms_bwd(h, weight, dy.reshape(h.shape).contiguous(), rstd, dres=dres)
         dx = dx.view(ctx.shape)
-        return dx.to(ctx.dtypes[0]), dx.to(ctx.dtypes[1]), dw, None
+        return dx.to(ctx.dtypes[0]), dx.to(ctx.dtypes[1]), dw, None, None
 
 
 def l2norm_fwd(x, eps):
@@ -363,23 +365,27 @@ class _L2NormFn(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def rms_norm(x, weight, eps=1e-6, backend=None):
-    """RMSNorm over the last dim, ``x: [..., D]``, ``weight: [D]`` -> ``[..., D]`` in x's dtype (fp32 compute)."""
+def rms_norm(x, weight, eps=1e-6, backend=None, out_dtype=None):
+    """RMSNorm over the last dim, ``x: [..., D]``, ``weight: [D]`` -> ``[..., D]`` in x's dtype or ``out_dtype``
+    (fp32 compute, rounded once to the output's dtype)."""
     _check_norm(x, weight)
     if use_triton(backend, x):
-        return _RMSNormFn.apply(x, weight, None, eps)
-    return rms_norm_torch(x, weight, eps)
+        return _RMSNormFn.apply(x, weight, None, eps, out_dtype or x.dtype)
+    y = rms_norm_torch(x, weight, eps)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
-def add_rms_norm(residual, x, weight, eps=1e-6, backend=None):
+def add_rms_norm(residual, x, weight, eps=1e-6, backend=None, out_dtype=None):
     """``(h, RMSNorm(h))`` with ``h = residual + x`` (``[..., D]``, h in their promoted dtype, the norm's output in
-    h's): a sublayer's residual add and the next sublayer's norm, one kernel each way on the Triton path."""
+    h's or ``out_dtype``): a sublayer's residual add and the next sublayer's norm, one kernel each way on the Triton
+    path."""
     _check_norm(x, weight)
     if residual.shape != x.shape:
         raise ValueError(f"residual must have the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
     if use_triton(backend, x):
-        return _AddRMSNormFn.apply(residual, x, weight, eps)
-    return add_rms_norm_torch(residual, x, weight, eps)
+        return _AddRMSNormFn.apply(residual, x, weight, eps, out_dtype or torch.promote_types(residual.dtype, x.dtype))
+    h, y = add_rms_norm_torch(residual, x, weight, eps)
+    return h, y if out_dtype is None else y.to(out_dtype)
 
 
 def gated_rms_norm(o, weight, gate, eps=1e-6, backend=None):
@@ -387,7 +393,7 @@ def gated_rms_norm(o, weight, gate, eps=1e-6, backend=None):
     ``promote_types(o.dtype, gate.dtype)``, rounded as the unfused expression (module docstring)."""
     _check_norm(o, weight, gate)
     if use_triton(backend, o):
-        return _RMSNormFn.apply(o, weight, gate, eps)
+        return _RMSNormFn.apply(o, weight, gate, eps, torch.promote_types(o.dtype, gate.dtype))
     return gated_rms_norm_torch(o, weight, gate, eps)
 
 

@@ -479,27 +479,37 @@ def _plain(norm: nn.Module) -> bool:
     return type(norm) is KDAMoERMSNorm and not (norm._forward_hooks or norm._forward_pre_hooks)
 
 
+def projection_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype a sublayer's projections run x in under autocast (None without it): a plain norm whose output feeds
+    only projections stores it so, the rounding autocast's cast of its fp32 output would make, without writing the
+    fp32 output, casting it and reading it back (and the same for its gradient)."""
+    return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else None
+
+
 def normed_input(state: ResidualState, depth_attention: DepthAttention | None, norm: KDAMoERMSNorm,
-                 keep_input: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 keep_input: bool, out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`(norm(h), h or None)` for the input h that `state` gives a sublayer (or the final norm). Depth attention and a
     plain norm (no hooks, which the fused op would bypass) run as one op, which never writes h nor keeps it for the
-    backward (h is None then, unless `keep_input`)."""
+    backward (h is None then, unless `keep_input`). A plain norm's output in `out_dtype` unless None."""
     if depth_attention is not None and _plain(norm) and not keep_input:
-        return depth_attention(state.sources(), norm=(norm.weight, norm.eps)), None
+        return depth_attention(state.sources(), norm=(norm.weight, norm.eps), out_dtype=out_dtype), None
     h = state.read(depth_attention)
+    if _plain(norm):
+        return rms_norm(h, norm.weight, norm.eps, out_dtype=out_dtype), h
     return norm(h), h
 
 
 def add_and_norm(state: ResidualState, output: torch.Tensor, close_block: bool,
-                 depth_attention: DepthAttention | None, norm: KDAMoERMSNorm) -> tuple[ResidualState, torch.Tensor]:
-    """`state.add(output, close_block)` and the next sublayer's normed input (`normed_input`). With the standard
-    residual and a plain norm the add and the norm run as one op (`add_rms_norm`), which writes h beside the norm's
-    output and adds h's gradient into the norm's in its backward."""
+                 depth_attention: DepthAttention | None, norm: KDAMoERMSNorm,
+                 out_dtype: torch.dtype | None = None) -> tuple[ResidualState, torch.Tensor]:
+    """`state.add(output, close_block)` and the next sublayer's normed input (`normed_input`, in `out_dtype`). With
+    the standard residual and a plain norm the add and the norm run as one op (`add_rms_norm`), which writes h beside
+    the norm's output and adds h's gradient into the norm's in its backward."""
     if depth_attention is None and not state.completed and _plain(norm):
-        h, normed = add_rms_norm(state.partial, output, norm.weight, norm.eps)
+        h, normed = add_rms_norm(state.partial, output, norm.weight, norm.eps, out_dtype=out_dtype)
         return ResidualState(state.completed, h), normed
     state = state.add(output, close_block)
-    return state, normed_input(state, depth_attention, norm, keep_input=False)[0]
+    return state, normed_input(state, depth_attention, norm, keep_input=False, out_dtype=out_dtype)[0]
 
 
 class KDAMoEDecoderLayer(GradientCheckpointingLayer):
@@ -547,13 +557,19 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
         one op, which never forms it), the router logits `[B*T, E]` and the auxiliary loss (MoE layers; None
         otherwise), then the new completed sources."""
         state = ResidualState(completed, partial)
-        x, mixer_input = normed_input(state, self.mixer_attn_res, self.mixer_norm, keep_input)
+        # under autocast the norms before a single projection GEMM (the KDA layer's fused projections, the dense MLP's
+        # gate | up) store the autocast dtype; not before the attention's three projections, whose input gradients
+        # autograd would then sum in 16 bits, nor the MoE block's router, which takes its input in fp32
+        proj_dtype = projection_dtype(state.sources()[0])
+        mixer_dtype = proj_dtype if self.layer_type == "linear_attention" else None
+        x, mixer_input = normed_input(state, self.mixer_attn_res, self.mixer_norm, keep_input, mixer_dtype)
         if self.layer_type == "linear_attention":
             x = self.mixer(x, cache=cache, packed=packed, token_mask=token_mask, shard=shard)
         else:
             x = self.mixer(x, attention_mask=attention_mask, cache=cache, packed=packed, positions=positions,
                            shard=shard)
-        state, x = add_and_norm(state, x, self.close_block_after_mixer, self.ffn_attn_res, self.ffn_norm)
+        state, x = add_and_norm(state, x, self.close_block_after_mixer, self.ffn_attn_res, self.ffn_norm,
+                                None if self.is_moe else proj_dtype)
         router_logits = aux_loss = None
         if self.is_moe:
             x, router_logits, aux_loss = self.ffn(x, token_mask=token_mask)
