@@ -100,10 +100,16 @@ print("OK")
     assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]
 
 
+@pytest.mark.parametrize("path", ["fused", "modules"])
 @pytest.mark.parametrize("activation", ["situ_glu", "swiglu"])
-def test_mlp_matches_formula(activation):
+def test_mlp_matches_formula(activation, path):
+    """The one-GEMM path (plain projections) and the module-by-module path (here: a hook on gate_proj; PEFT's
+    adapters take it) against the formula, output and gradients."""
     config = make_config(expert_activation=activation)
     mlp = init_(KDAMoEMLP(config, 12)).double()
+    if path == "modules":
+        mlp.gate_proj.register_forward_hook(lambda module, args, out: None)
+    assert mlp.fused_inputs() == (path == "fused")
     x = torch.randn(3, 4, 16, dtype=torch.float64, requires_grad=True)
     g, u = x @ mlp.gate_proj.weight.T, x @ mlp.up_proj.weight.T
     h = situ_formula(g, u) if activation == "situ_glu" else F.silu(g) * u

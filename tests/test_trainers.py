@@ -117,3 +117,23 @@ def test_assistant_only_loss_trains_on_the_assistant_turns(tokenizer, tmp_path):
         assert batch["input_ids"][0].tolist() == encoded["input_ids"]
         expected = [t if m else -100 for t, m in zip(encoded["input_ids"], mask)]
         assert batch["labels"][0].tolist() == expected and sum(mask) > 0
+
+
+def test_lora_on_all_linear_adapts_every_projection():
+    """PEFT LoRA with `target_modules="all-linear"`: every adapter takes part in the forward (its input gradient is
+    non-zero once lora_B is), the dense MLP's and the shared experts' included, whose plain projections otherwise run
+    as one fused GEMM on their weights."""
+    peft = pytest.importorskip("peft")
+    from conftest import tiny_model
+
+    model = peft.get_peft_model(tiny_model(), peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    ids = torch.randint(3, model.config.vocab_size, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    adapters = {name.split(".lora_A")[0]: p.grad for name, p in model.named_parameters() if "lora_A" in name}
+    assert any(".ffn.gate_proj" in name for name in adapters) and any(".shared_experts.down_proj" in name
+                                                                       for name in adapters)
+    idle = [name for name, grad in adapters.items() if grad is None or not grad.any()]
+    assert not idle, idle

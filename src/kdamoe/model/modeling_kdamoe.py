@@ -56,7 +56,8 @@ from .model_inputs import (
     is_safetensors_error,
     unreadable_weights,
 )
-from .moe import KDAMoEExperts, KDAMoEMLP, KDAMoERouter, KDAMoESparseMoeBlock, apply_balancing, summary_to_host
+from .moe import (KDAMoEExperts, KDAMoEMLP, KDAMoERouter, KDAMoESparseMoeBlock, apply_balancing, plain_linear,
+                  summary_to_host)
 from .short_conv import short_conv_silu, short_conv_state
 
 try:
@@ -139,7 +140,7 @@ def fused_projections(x: torch.Tensor, *groups: tuple[nn.Linear, ...]) -> tuple[
     that a kernel reading a group's columns in place sees 32-byte aligned rows (and vectorises its loads). Anything
     else (PEFT's LoRA layers, quantised linears, hooks) runs module by module, so adapters are never bypassed."""
     modules = [m for group in groups for m in group]
-    if all(type(m) is nn.Linear and m.bias is None and not (m._forward_hooks or m._forward_pre_hooks) for m in modules):
+    if all(map(plain_linear, modules)):
         widths = tuple(sum(m.out_features for m in group) for group in groups)
         rows = tuple(m.out_features for m in modules)
         return _FusedLinear.apply(x, widths, rows, *(m.weight for m in modules))
@@ -269,6 +270,11 @@ class KDAMoEKimiDeltaAttention(nn.Module):
             cache.update_conv_state(conv_state, self.layer_idx, conv_kernel_size=self.conv_size)
             cache.update_recurrent_state(state.float(), self.layer_idx)
         return self._output(o, out_gate)
+
+    def fused_inputs(self) -> bool:
+        """x enters one GEMM (`fused_projections`' fast path), not one per projection."""
+        return all(map(plain_linear, (self.q_proj, self.k_proj, self.v_proj, self.beta_proj, self.decay_down_proj,
+                                      self.out_gate_down_proj)))
 
     def _conv_weight(self, x: torch.Tensor) -> torch.Tensor:
         """The conv taps in the autocast dtype under autocast (as `F.conv1d` runs there), so that q, k, v reach the
@@ -558,18 +564,20 @@ class KDAMoEDecoderLayer(GradientCheckpointingLayer):
         otherwise), then the new completed sources."""
         state = ResidualState(completed, partial)
         # under autocast the norms before a single projection GEMM (the KDA layer's fused projections, the dense MLP's
-        # gate | up) store the autocast dtype; not before the attention's three projections, whose input gradients
-        # autograd would then sum in 16 bits, nor the MoE block's router, which takes its input in fp32
+        # gate | up) store the autocast dtype; not before several projections (the attention's three, adapters),
+        # whose input gradients autograd would then sum in 16 bits, nor the MoE block's router, which takes fp32
         proj_dtype = projection_dtype(state.sources()[0])
-        mixer_dtype = proj_dtype if self.layer_type == "linear_attention" else None
-        x, mixer_input = normed_input(state, self.mixer_attn_res, self.mixer_norm, keep_input, mixer_dtype)
+        single = isinstance(self.mixer, KDAMoEKimiDeltaAttention) and self.mixer.fused_inputs()
+        x, mixer_input = normed_input(state, self.mixer_attn_res, self.mixer_norm, keep_input,
+                                      proj_dtype if single else None)
         if self.layer_type == "linear_attention":
             x = self.mixer(x, cache=cache, packed=packed, token_mask=token_mask, shard=shard)
         else:
             x = self.mixer(x, attention_mask=attention_mask, cache=cache, packed=packed, positions=positions,
                            shard=shard)
+        single = isinstance(self.ffn, KDAMoEMLP) and self.ffn.fused_inputs()
         state, x = add_and_norm(state, x, self.close_block_after_mixer, self.ffn_attn_res, self.ffn_norm,
-                                None if self.is_moe else proj_dtype)
+                                proj_dtype if single else None)
         router_logits = aux_loss = None
         if self.is_moe:
             x, router_logits, aux_loss = self.ffn(x, token_mask=token_mask)

@@ -135,12 +135,20 @@ def _packed_activation_grad(name: str, gate_up: torch.Tensor, grad_h: torch.Tens
 # ----------------------------------------------------------------------------------------------- experts
 
 
+def plain_linear(module: nn.Module) -> bool:
+    """A bias-free `nn.Linear` without hooks, whose weight a fused op may use directly. Anything else (PEFT's LoRA
+    layers, quantised linears, hooks) must run as a module, or its adapter would be bypassed."""
+    return (type(module) is nn.Linear and module.bias is None
+            and not (module._forward_hooks or module._forward_pre_hooks))
+
+
 class KDAMoEMLP(nn.Module):
     """Gated MLP `down(act(gate(x), up(x)))` (dense layers and shared experts); `[..., D] -> [..., D]`.
 
-    Gate and up run as one GEMM on the concatenated weights `[2I, D]` (a copy of 2·I·D weights per call): one
-    wider GEMM instead of two, one GEMM for the input's gradient instead of two and their sum, and the packed
-    activation path (no split or concatenation of `[..., 2I]` activations)."""
+    With plain projections (`plain_linear`) gate and up run as one GEMM on the concatenated weights `[2I, D]` (a copy
+    of 2·I·D weights per call): one wider GEMM instead of two, one GEMM for the input's gradient instead of two and
+    their sum, and the packed activation path (no split or concatenation of `[..., 2I]` activations). Otherwise
+    (adapters, hooks) each projection runs as its module."""
 
     def __init__(self, config, intermediate_size: int):
         super().__init__()
@@ -150,8 +158,15 @@ class KDAMoEMLP(nn.Module):
         self.activation = config.expert_activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fused_inputs() or not plain_linear(self.down_proj):
+            gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)  # [..., 2I]
+            return self.down_proj(_packed_activation(self.activation, gate_up))
         gate_up = F.linear(x, torch.cat([self.gate_proj.weight, self.up_proj.weight]))  # [..., 2I]
         return _ActivationDown.apply(self.activation, gate_up, self.down_proj.weight)
+
+    def fused_inputs(self) -> bool:
+        """x enters one GEMM (gate | up), not one per projection."""
+        return plain_linear(self.gate_proj) and plain_linear(self.up_proj)
 
 
 class _ActivationDown(torch.autograd.Function):
