@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import kdamoe
 from conftest import tiny_config
@@ -42,6 +43,17 @@ def test_fused_linear_cross_entropy_equals_the_logits_loss(tied):
     fused.eval()  # evaluation keeps its logits
     with torch.no_grad():
         assert fused(ids, labels=ids).logits is not None
+
+
+def test_fused_loss_leaves_a_hooked_lm_head_to_its_module():
+    """An `lm_head` with a hook (or an adapter) is not bypassed by the fused loss: the loss is that of the hooked
+    logits."""
+    ids = torch.randint(3, 97, (2, 17))
+    model = make_model(fuse_linear_cross_entropy=True).train()
+    model.lm_head.register_forward_hook(lambda module, args, out: 2 * out)
+    out = model(ids, labels=ids)
+    want = F.cross_entropy(out.logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+    torch.testing.assert_close(out.loss, want)
 
 
 def count_syncs(fn):
