@@ -434,3 +434,16 @@ def test_under_autocast_norms_before_projections_store_the_autocast_dtype(monkey
     assert grads.keys() == grads_fp32.keys() and len(grads) > 20
     for name, grad in grads.items():
         assert torch.equal(grad, grads_fp32[name]), name
+
+
+def test_output_attentions_is_refused_not_answered_with_none():
+    """No layer forms an attention matrix to return: asking for one is a clear error (base model, LM head, generate),
+    not `attentions=None`; `output_attentions=False` is accepted."""
+    model = tiny_model().eval()
+    ids = torch.randint(3, model.config.vocab_size, (1, 8))
+    for call in (lambda: model(ids, output_attentions=True), lambda: model.model(ids, output_attentions=True),
+                 lambda: model.generate(ids, max_new_tokens=2, output_attentions=True, return_dict_in_generate=True,
+                                        pad_token_id=0)):
+        with pytest.raises(ValueError, match="output_attentions is not supported"):
+            call()
+    assert model(ids, output_attentions=False).logits.shape == (1, 8, model.config.vocab_size)

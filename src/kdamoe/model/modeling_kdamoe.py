@@ -485,6 +485,14 @@ def _plain(norm: nn.Module) -> bool:
     return type(norm) is KDAMoERMSNorm and not (norm._forward_hooks or norm._forward_pre_hooks)
 
 
+def check_no_attention_output(kwargs: dict, config: KDAMoEConfig) -> None:
+    """`output_attentions` is refused with a clear error rather than answered with None."""
+    if kwargs.get("output_attentions") or (kwargs.get("output_attentions") is None and config.output_attentions):
+        raise ValueError("output_attentions is not supported: the KDA layers form no attention matrix and the "
+                         "attention layers run fused SDPA / varlen kernels (output_hidden_states and "
+                         "`DepthAttention.depth_weights` are available)")
+
+
 def projection_dtype(x: torch.Tensor) -> torch.dtype | None:
     """The dtype a sublayer's projections run x in under autocast (None without it): a plain norm whose output feeds
     only projections stores it so, the rounding autocast's cast of its fp32 output would make, without writing the
@@ -713,6 +721,7 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
             output_router_logits if output_router_logits is not None else self.config.output_router_logits
         )
         return_dict = return_dict if return_dict is not None else self.config.return_dict
+        check_no_attention_output(kwargs, self.config)
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of `input_ids` and `inputs_embeds`.")
         if input_ids is not None:
@@ -929,6 +938,7 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
         same on every rank; its backward gives each rank its share of the gradients, which average over the group
         to the single process's)."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
+        check_no_attention_output(kwargs, self.config)
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
