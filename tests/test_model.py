@@ -447,3 +447,27 @@ def test_output_attentions_is_refused_not_answered_with_none():
         with pytest.raises(ValueError, match="output_attentions is not supported"):
             call()
     assert model(ids, output_attentions=False).logits.shape == (1, 8, model.config.vocab_size)
+
+
+@pytest.mark.parametrize("cache_implementation", [None, "static"])
+def test_generate_from_inputs_embeds_equals_generate_from_ids(cache_implementation):
+    """`generate(inputs_embeds=...)` (soft prompts) runs, on the dynamic and the static cache, and greedy decoding
+    from the ids' embeddings gives the ids' tokens."""
+    model = tiny_model().eval()
+    ids = torch.randint(3, model.config.vocab_size, (2, 10))
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, cache_implementation=cache_implementation)
+    from_ids = model.generate(ids, **kwargs)
+    from_embeds = model.generate(inputs_embeds=model.get_input_embeddings()(ids), **kwargs)
+    assert from_embeds.shape == (2, 5) and torch.equal(from_embeds, from_ids[:, -5:])
+
+
+def test_peft_prompt_tuning_generates():
+    """PEFT's prompt tuning prepends its virtual tokens as embeddings, through `generate(inputs_embeds=...)`."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_model().eval(), peft.PromptTuningConfig(task_type="CAUSAL_LM",
+                                                                            num_virtual_tokens=4))
+    ids = torch.randint(3, model.config.vocab_size, (2, 10))
+    out = model.generate(input_ids=ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 15) and torch.equal(out[:, :10], ids)
+    with torch.no_grad():
+        assert not torch.allclose(model(input_ids=ids).logits[:, -1], model.get_base_model()(ids).logits[:, -1])

@@ -866,10 +866,11 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
         model builds its attention masks from it."""
         return attention_mask
 
-    def prepare_inputs_for_generation(self, *args, **kwargs):
+    def prepare_inputs_for_generation(self, *args, inputs_embeds=None, **kwargs):
         """transformers' inputs; with a static cache the attention mask's columns of the new tokens only (the cache
-        keeps the padding flags of the tokens it holds), so every decode step has the same shapes."""
-        inputs = super().prepare_inputs_for_generation(*args, **kwargs)
+        keeps the padding flags of the tokens it holds), so every decode step has the same shapes. `inputs_embeds`
+        named in the signature: `generate(inputs_embeds=...)` (soft prompts, PEFT's prompt tuning) checks for it."""
+        inputs = super().prepare_inputs_for_generation(*args, inputs_embeds=inputs_embeds, **kwargs)
         mask, new = inputs.get("attention_mask"), inputs.get("input_ids")
         new = new if new is not None else inputs.get("inputs_embeds")
         if isinstance(inputs.get(CACHE_FIELD), KDAMoEStaticCache) and mask is not None and mask.dim() == 2:
