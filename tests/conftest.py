@@ -64,6 +64,18 @@ def tiny_model(**overrides) -> "kdamoe.KDAMoEForCausalLM":
     return model
 
 
+def assert_out_dtype_is_a_rounding(run):
+    """``run(out_dtype) -> (output, gradients)`` of an op with an ``out_dtype`` (None: its wide dtype): in fp16 the
+    output equals the fp32 output rounded to fp16, and the gradients from an fp16 cotangent equal those from the same
+    cotangent widened to fp32, bit for bit. fp16, as the Triton interpreter truncates bf16 casts."""
+    out16, grads16 = run(torch.float16)
+    out32, grads32 = run(None)
+    assert out16.dtype == torch.float16 and out32.dtype == torch.float32
+    assert torch.equal(out16, out32.to(torch.float16))
+    for a, b in zip(grads16, grads32, strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.fixture
 def make_config():
     return tiny_config
