@@ -47,7 +47,8 @@ def main() -> None:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # the loss as kdamoe-train computes it: chunk by chunk from the hidden states, no [tokens, vocab] logits
-    config = kdamoe.KDAMoEConfig(vocab_size=args.vocab_size, fuse_linear_cross_entropy=True, **PRESETS[args.preset].model)
+    config = kdamoe.KDAMoEConfig(vocab_size=args.vocab_size, fuse_linear_cross_entropy=True,
+                                 **PRESETS[args.preset].model)
     model = kdamoe.KDAMoEForCausalLM(config)
     model.to(device).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
@@ -102,7 +103,8 @@ def main() -> None:
                               for e in kernels[: args.top]]
         print(f"GPU kernels: {total / 1e3:.2f} ms in all\n     ms    share  launches  kernel")
         for e in kernels[: args.top]:
-            print(f"{e.device_time_total / 1e3:9.3f} {100 * e.device_time_total / total:6.2f}% {e.count:8d}  {e.key[:100]}")
+            share = 100 * e.device_time_total / total
+            print(f"{e.device_time_total / 1e3:9.3f} {share:6.2f}% {e.count:8d}  {e.key[:100]}")
     print(table)
     print(f"step {summary['step_ms']:.1f} ms, {summary['tokens_per_second']:.0f} tokens/s, "
           f"{summary['aten_calls_per_step']} aten calls")

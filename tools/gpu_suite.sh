@@ -179,7 +179,8 @@ if [ "${REST:-1}" = 1 ]; then
   python3 benchmarks/throughput.py /tmp/small --peak-tflops "${PEAK_TFLOPS:-989}" | tee "$OUT/small_throughput.txt"
 
   echo "== one small-preset step under torch.profiler (where the time goes)"
-  python3 benchmarks/profile_step.py --preset small --rows 16 --seq-len 2048 --top 30 --out /tmp/prof/profile_step.json \
+  python3 benchmarks/profile_step.py --preset small --rows 16 --seq-len 2048 --top 30 \
+    --out /tmp/prof/profile_step.json \
     2>&1 | grep -v -i warn > "$OUT/profile_step.txt"
   head -33 "$OUT/profile_step.txt" && tail -1 "$OUT/profile_step.txt"  # the GPU kernels by total time; the step time
   cp /tmp/prof/profile_step.json "$OUT/" 2>/dev/null

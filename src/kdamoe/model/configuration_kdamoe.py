@@ -61,8 +61,9 @@ class KDAMoEConfig(PretrainedConfig):
         attnres_block_layers (`int`): decoder layers per Block AttnRes block.
         fuse_linear_cross_entropy (`bool`): in training with `labels`, compute the loss chunk by chunk from the hidden
             states (`loss.linear_cross_entropy`) without materialising `[tokens, vocab]` logits; the output's
-            `logits` are then None. An `lm_head` with hooks or an adapter runs as its module instead. Off by default (trainers that read the logits, as TRL's `SFTTrainer` does for its
-            metrics, need them); `kdamoe-train` turns it on.
+            `logits` are then None. An `lm_head` with hooks or an adapter runs as its module instead. Off by default
+            (trainers that read the logits, as TRL's `SFTTrainer` does for its metrics, need them); `kdamoe-train`
+            turns it on.
     """
 
     model_type = "kdamoe"

@@ -960,7 +960,8 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
                 kwargs["shift_labels"] = context_parallel.shift_labels(labels)
             num_items, kwargs["num_items_in_batch"] = kwargs.get("num_items_in_batch"), 1
         loss = logits = None
-        if labels is not None and self.training and self.config.fuse_linear_cross_entropy and plain_linear(self.lm_head):
+        fused_loss = self.config.fuse_linear_cross_entropy and plain_linear(self.lm_head)  # else lm_head's hooks run
+        if labels is not None and self.training and fused_loss:
             loss = self._fused_loss(hidden_states, labels, kwargs.get("shift_labels"), kwargs.get("num_items_in_batch"))
         else:
             keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
