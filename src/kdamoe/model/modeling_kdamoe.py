@@ -239,9 +239,8 @@ class KDAMoEKimiDeltaAttention(nn.Module):
         if decoding and seq_len == 1 and not getattr(layer_cache, "record_past", False):
             return self._decode_step(hidden_states, layer_cache)
 
-        qkv, beta, decay, out_gate = fused_projections(  # [B, T, 3·H·K], [B, T, H], [B, T, K], [B, T, K]
-            hidden_states, (self.q_proj, self.k_proj, self.v_proj), (self.beta_proj,), (self.decay_down_proj,),
-            (self.out_gate_down_proj,))
+        # [B, T, 3·H·K], [B, T, H], [B, T, K], [B, T, K]
+        qkv, beta, decay, out_gate = fused_projections(hidden_states, *self._input_groups())
         beta = beta.to(torch.promote_types(beta.dtype, torch.float32)).sigmoid()  # [B, T, H], fp32 or fp64
         g_raw = self.decay_up_proj(decay).view(batch, seq_len, h, k)
         cu_seqlens = packed.cu_seqlens_device if packed is not None else None
@@ -271,10 +270,15 @@ class KDAMoEKimiDeltaAttention(nn.Module):
             cache.update_recurrent_state(state.float(), self.layer_idx)
         return self._output(o, out_gate)
 
+    def _input_groups(self) -> tuple[tuple[nn.Linear, ...], ...]:
+        """The projections of x, as `fused_projections`' groups: q | k | v, β, the decay's and the output gate's
+        down-projections."""
+        return ((self.q_proj, self.k_proj, self.v_proj), (self.beta_proj,), (self.decay_down_proj,),
+                (self.out_gate_down_proj,))
+
     def fused_inputs(self) -> bool:
         """x enters one GEMM (`fused_projections`' fast path), not one per projection."""
-        return all(map(plain_linear, (self.q_proj, self.k_proj, self.v_proj, self.beta_proj, self.decay_down_proj,
-                                      self.out_gate_down_proj)))
+        return all(plain_linear(m) for group in self._input_groups() for m in group)
 
     def _conv_weight(self, x: torch.Tensor) -> torch.Tensor:
         """The conv taps in the autocast dtype under autocast (as `F.conv1d` runs there), so that q, k, v reach the
@@ -325,9 +329,7 @@ class KDAMoEKimiDeltaAttention(nn.Module):
         def rows(x):  # a projection's [B, 1, N] output as [B, N]
             return x.view(batch, -1)
 
-        qkv, beta, decay, out_gate = fused_projections(
-            hidden_states, (self.q_proj, self.k_proj, self.v_proj), (self.beta_proj,), (self.decay_down_proj,),
-            (self.out_gate_down_proj,))
+        qkv, beta, decay, out_gate = fused_projections(hidden_states, *self._input_groups())
         q, k, v = rows(qkv).split([self.num_heads * self.head_dim] * 3, dim=-1)
         o = kda_decode_step(
             q, k, v, rows(beta), rows(self.decay_up_proj(decay)), rows(self.out_gate_up_proj(out_gate)),
@@ -779,9 +781,8 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
                     attended = visible if attended is None else attended & visible
             elif isinstance(cache, KDAMoEStaticCache) and packed is not None:  # its first forward
                 cache.keep_from(packed.last_doc_start)
-            device, dtype = inputs_embeds.device, inputs_embeds.dtype
-            if torch.is_autocast_enabled(device.type):  # the attention inputs' dtype
-                dtype = torch.get_autocast_dtype(device.type)
+            # the attention inputs' dtype: the autocast dtype under autocast
+            device, dtype = inputs_embeds.device, projection_dtype(inputs_embeds) or inputs_embeds.dtype
             if packed is not None and attended is None and varlen_packed(device, dtype, self.config, self.training):
                 mask = None  # the attention layers attend within each document through varlen_attn (packed rows
                 # come without a past: this forward's keys are all there are)
