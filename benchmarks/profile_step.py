@@ -6,7 +6,7 @@
 Random tokens packed as documents of random lengths (`position_ids` restart at each document, as in training),
 so the varlen KDA path, the packed attention (`varlen_attn` on CUDA, block-diagonal masks elsewhere) and the MoE
 permutation all run; fp32 weights under bf16 autocast and the fused loss, as `kdamoe-train` trains. Prints the step
-time, tokens/s, the GPU kernels by total time (CUDA) and the operators (device time on CUDA, CPU time otherwise);
+time (the median of `--timed-steps` steps, each synchronised), tokens/s, the GPU kernels by total time (CUDA) and the operators (device time on CUDA, CPU time otherwise);
 writes a JSON summary and a Chrome trace next to `--out`.
 """
 
@@ -41,6 +41,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--vocab-size", type=int, default=32768)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--timed-steps", type=int, default=5, help="steps timed one by one; the median is reported")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--out", type=Path, default=Path("profile_step.json"))
     args = p.parse_args()
@@ -69,10 +70,13 @@ def main() -> None:
     for _ in range(args.warmup):
         step()
     sync()
-    t0 = time.perf_counter()
-    step()
-    sync()
-    step_s = time.perf_counter() - t0
+    times = []
+    for _ in range(args.timed_steps):
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    step_s = sorted(times)[len(times) // 2]
 
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
