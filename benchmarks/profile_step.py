@@ -6,8 +6,8 @@
 Random tokens packed as documents of random lengths (`position_ids` restart at each document, as in training),
 so the varlen KDA path, the packed attention (`varlen_attn` on CUDA, block-diagonal masks elsewhere) and the MoE
 permutation all run; fp32 weights under bf16 autocast and the fused loss, as `kdamoe-train` trains. Prints the step
-time (the median of `--timed-steps` steps, each synchronised), tokens/s, the GPU kernels by total time (CUDA) and the operators (device time on CUDA, CPU time otherwise);
-writes a JSON summary and a Chrome trace next to `--out`.
+time (the median of `--timed-steps` steps, each synchronised), tokens/s, the GPU kernels by total time (CUDA) and
+the operators (device time on CUDA, CPU time otherwise); writes a JSON summary and a Chrome trace next to `--out`.
 """
 
 import argparse
