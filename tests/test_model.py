@@ -325,6 +325,16 @@ def test_resize_token_embeddings_then_forward_and_generate(tied):
         model(torch.tensor([[vocab + 5]]))
 
 
+def test_assisted_decoding_is_refused_with_a_clear_error():
+    """Prompt lookup and an assistant model (speculative decoding) need a cache rolled back to the accepted draft
+    tokens, which the KDA layers' recurrent states cannot be: `generate` names that, not a missing cache."""
+    model = make_model().eval()
+    ids = torch.tensor([[3, 4, 5, 6, 3, 4, 5]])
+    for kwargs in (dict(prompt_lookup_num_tokens=2), dict(assistant_model=make_model().eval())):
+        with pytest.raises(ValueError, match="assisted .speculative. decoding"):
+            model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0, **kwargs)
+
+
 def test_fused_input_projections_equal_the_modules_and_never_bypass_an_adapter():
     """The KDA layer's six input projections as one GEMM give the outputs and gradients of the six modules run one by
     one; a projection that is not a plain linear (here a forward hook, as adapters and quantised layers are) is

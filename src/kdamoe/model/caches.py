@@ -101,8 +101,8 @@ class KDAMoEStaticKDALayer(LinearAttentionCacheLayerMixin):
             state.copy_(state.index_select(0, beam_idx.to(state.device)))
 
     def activate_past_recording(self):
-        raise ValueError("the static cache cannot record past states to roll back (assisted decoding): use the "
-                         "dynamic cache")
+        raise ValueError("the static cache cannot record past states to roll back (assisted decoding, which kdamoe "
+                         "does not support)")
 
 
 class KDAMoEStaticAttentionLayer(CacheLayerMixin):

@@ -843,7 +843,14 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
                                       max_cache_length):
         """`generate`'s cache: with `cache_implementation="static"` a `KDAMoEStaticCache` for the batch (times the
         beams or returned sequences) and `max_length` (or `max_cache_len` when larger); a static cache passed in must
-        hold as much. Otherwise transformers' handling (the model builds its `KDAMoECache` itself)."""
+        hold as much. Otherwise transformers' handling (the model builds its `KDAMoECache` itself). Assisted
+        (speculative) decoding is refused with a clear error: rolling a KDA layer's recurrent state back to the last
+        accepted draft token needs its state after every token of the verification forward, which the chunked
+        kernels do not keep (transformers' own error would say only that a cache is missing)."""
+        if getattr(generation_mode, "value", generation_mode) == "assisted_generation":
+            raise ValueError("kdamoe does not support assisted (speculative) decoding (`assistant_model`, "
+                             "`prompt_lookup_num_tokens`): its KDA layers' recurrent states cannot be rolled back to "
+                             "the accepted draft tokens")
         rows = batch_size * max(generation_config.num_beams, generation_config.num_return_sequences or 1)
         given = model_kwargs.get(CACHE_FIELD)
         if isinstance(given, KDAMoEStaticCache):
