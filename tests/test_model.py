@@ -325,6 +325,13 @@ def test_resize_token_embeddings_then_forward_and_generate(tied):
         model(torch.tensor([[vocab + 5]]))
 
 
+def test_a_forward_without_tokens_is_a_clear_error():
+    model = make_model().eval()
+    for ids in (torch.zeros(1, 0, dtype=torch.long), torch.zeros(0, 3, dtype=torch.long)):
+        with pytest.raises(ValueError, match="no tokens"):
+            model(ids)
+
+
 def test_assisted_decoding_is_refused_with_a_clear_error():
     """Prompt lookup and an assistant model (speculative decoding) need a cache rolled back to the accepted draft
     tokens, which the KDA layers' recurrent states cannot be: `generate` names that, not a missing cache."""

@@ -736,6 +736,9 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
             cache = None
 
         batch, seq_len, _ = inputs_embeds.shape
+        if batch == 0 or seq_len == 0:
+            raise ValueError(f"the inputs hold no tokens (shape [{batch}, {seq_len}]): a forward needs at least one "
+                             f"row of at least one token")
         if attention_mask is not None and attention_mask.dim() != 2:
             raise ValueError("`attention_mask` must be a 2-D padding mask [batch, past + new tokens].")
         # Under torch.compile or a CUDA graph's recording a given mask is applied whatever it holds (no host read).
