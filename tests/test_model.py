@@ -1,5 +1,6 @@
 """The causal LM through the public API: config validation, causality, caching, packing, AttnRes identities."""
 
+import copy
 import math
 
 import pytest
@@ -334,12 +335,18 @@ def test_a_forward_without_tokens_is_a_clear_error():
 
 def test_assisted_decoding_is_refused_with_a_clear_error():
     """Prompt lookup and an assistant model (speculative decoding) need a cache rolled back to the accepted draft
-    tokens, which the KDA layers' recurrent states cannot be: `generate` names that, not a missing cache."""
+    tokens, which the KDA layers' recurrent states cannot be: `generate` names that, not a missing cache, also when
+    the model is another model's assistant."""
     model = make_model().eval()
     ids = torch.tensor([[3, 4, 5, 6, 3, 4, 5]])
     for kwargs in (dict(prompt_lookup_num_tokens=2), dict(assistant_model=make_model().eval())):
         with pytest.raises(ValueError, match="assisted .speculative. decoding"):
             model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0, **kwargs)
+    # as the assistant of another model (transformers' generate marks the assistant's generation config)
+    assistant_config = copy.deepcopy(model.generation_config)
+    assistant_config.is_assistant = True
+    with pytest.raises(ValueError, match="as the assistant"):
+        model.generate(ids, generation_config=assistant_config, max_new_tokens=3, pad_token_id=0)
 
 
 def test_fused_input_projections_equal_the_modules_and_never_bypass_an_adapter():

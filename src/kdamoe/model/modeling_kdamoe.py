@@ -738,7 +738,7 @@ class KDAMoEModel(KDAMoEPreTrainedModel):
         batch, seq_len, _ = inputs_embeds.shape
         if batch == 0 or seq_len == 0:
             raise ValueError(f"the inputs hold no tokens (shape [{batch}, {seq_len}]): a forward needs at least one "
-                             f"row of at least one token")
+                             "row of at least one token")
         if attention_mask is not None and attention_mask.dim() != 2:
             raise ValueError("`attention_mask` must be a 2-D padding mask [batch, past + new tokens].")
         # Under torch.compile or a CUDA graph's recording a given mask is applied whatever it holds (no host read).
@@ -850,10 +850,11 @@ class KDAMoEForCausalLM(KDAMoEPreTrainedModel, GenerationMixin):
         (speculative) decoding is refused with a clear error: rolling a KDA layer's recurrent state back to the last
         accepted draft token needs its state after every token of the verification forward, which the chunked
         kernels do not keep (transformers' own error would say only that a cache is missing)."""
-        if getattr(generation_mode, "value", generation_mode) == "assisted_generation":
+        if (getattr(generation_mode, "value", generation_mode) == "assisted_generation"
+                or getattr(generation_config, "is_assistant", False)):
             raise ValueError("kdamoe does not support assisted (speculative) decoding (`assistant_model`, "
-                             "`prompt_lookup_num_tokens`): its KDA layers' recurrent states cannot be rolled back to "
-                             "the accepted draft tokens")
+                             "`prompt_lookup_num_tokens`), as the model or as the assistant: its KDA layers' recurrent "
+                             "states cannot be rolled back to the accepted draft tokens")
         rows = batch_size * max(generation_config.num_beams, generation_config.num_return_sequences or 1)
         given = model_kwargs.get(CACHE_FIELD)
         if isinstance(given, KDAMoEStaticCache):
