@@ -16,6 +16,9 @@
 #   replayed as CUDA graphs and the fused decode kernel; `DECODE=1 REST=0 DECODE_TEST_S=0 ...`:
 #   benchmarks/bench_decode.py (DECODE_MODELS, DECODE_CONTEXTS, DECODE_BATCHES,
 #   DECODE_MAX_PREFILL narrow it);
+#   `STEP=1 REST=0 STEP_ALT="NAME=DIR ..." bash tools/gpu_suite.sh` (~1 min a model folder): benchmarks/profile_step.py
+#   on the `small` preset's step (its wall time against its GPU kernels' time: where the host binds), this code and
+#   each model folder of STEP_ALT (carried in alt/) interleaved, twice (STEP_ARGS: other profile_step.py shapes);
 #   `PROFILE=1 REST=0 ...`: benchmarks/profile_ops.py (kernel tables, ours vs fla-core; autotunes fla again);
 #   `SDPA=1 REST=0 ...` (~2 min): benchmarks/bench_sdpa.py, the attention layers' kernels at the hybrid's shapes
 #   (SDPA_SHAPES narrows them);
@@ -74,6 +77,24 @@ if [ "${MODEL:-0}" = 1 ]; then
       | grep -v -i warn | tee "$OUT/bench_model.log" | tail -25
   fi
   (cd ~/.triton/cache && find . -name "*.autotune.json" | tar czf "$OUT/fla_autotune.tgz" -T -)
+fi
+if [ "${STEP:-0}" = 1 ]; then
+  echo "== the small preset's step, wall against kernels (profile_step.py): this code and STEP_ALT interleaved"
+  for round in 1 2; do
+    for alt in this=src ${STEP_ALT:-}; do
+      name=${alt%%=*} path=$PWD/src
+      if [ "$name" != this ]; then  # the package with the alt model folder in place of its own
+        path=/tmp/step_$name && rm -rf "$path" && mkdir -p "$path" && cp -r src/kdamoe "$path/" \
+          && rm -rf "$path/kdamoe/model" && cp -r "${alt#*=}" "$path/kdamoe/model"
+      fi
+      PYTHONPATH=${PYTHONPATH/$PWD\/src/$path} timeout "${STEP_S:-90}" python3 benchmarks/profile_step.py \
+        ${STEP_ARGS:---preset small --rows 16 --seq-len 2048} --warmup 3 --top 3 \
+        --out "$OUT/step_${name}_$round.json" > "$OUT/step_${name}_$round.log" 2>&1
+      python3 -c "import json; d = json.load(open('$OUT/step_${name}_$round.json')); print('$name', $round, \
+f\"{d['step_ms']:.1f} ms wall, {d.get('kernel_ms', float('nan')):.1f} ms kernels, {d['aten_calls_per_step']} aten calls\")" \
+        || tail -3 "$OUT/step_${name}_$round.log"
+    done
+  done
 fi
 if [ "${SDPA:-0}" = 1 ]; then
   echo "== bench_sdpa (the attention layers' kernels)"
