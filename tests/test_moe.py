@@ -406,6 +406,32 @@ def test_block_output_equals_router_plus_experts_plus_shared(num_shared, parts, 
     torch.testing.assert_close(out, ref.view(2, 5, 16), rtol=1e-12, atol=1e-12)
 
 
+def test_statistics_nothing_applies_are_warned_about_once_the_window_is_long(monkeypatch):
+    """Quantile Balancing keeps every training forward's router logits until `apply_balancing`; a trainer that never
+    calls it (HF Trainer without `LoadBalancingCallback`) would grow them without end: after
+    PENDING_FORWARDS_WARNING forwards of one window a warning says what to call. Applying the update starts a new
+    window; loss-free balancing keeps only counts and never warns."""
+    warnings = []
+    monkeypatch.setattr(moe, "PENDING_FORWARDS_WARNING", 3)
+    monkeypatch.setattr(moe.logger, "warning_once", warnings.append)
+    x = torch.randn(2, 5, 16)
+    block = init_(KDAMoESparseMoeBlock(make_config(router_balancing="quantile"))).train()
+    for _ in range(2):
+        block(x)
+    assert warnings == []
+    block.apply_balancing()
+    for _ in range(3):
+        block(x)
+    assert len(warnings) == 1 and "apply_load_balancing" in warnings[0] and "LoadBalancingCallback" in warnings[0]
+    block.apply_balancing()
+    block(x)
+    assert len(warnings) == 1
+    free = init_(KDAMoESparseMoeBlock(make_config(router_balancing="loss_free"))).train()
+    for _ in range(4):
+        free(x)
+    assert len(warnings) == 1
+
+
 def test_aux_loss_switch_style():
     config = make_config(router_balancing="aux_loss", router_aux_loss_coef=0.1, num_experts=4)
     block = init_(KDAMoESparseMoeBlock(config)).train()

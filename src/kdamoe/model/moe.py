@@ -5,6 +5,7 @@ SiTU-GLU / SwiGLU experts with a CPU loop path and a grouped-GEMM GPU path (docs
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.utils import logging
 
 try:
     from .moe_triton import (
@@ -22,6 +23,8 @@ except ImportError:
     histogram_quantile = threshold_histogram = None
 
 from .expert_parallel import dispatch
+
+logger = logging.get_logger(__name__)
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -713,6 +716,9 @@ class QuantileHistogram:
 # one pass (autograd keeps every chunk's activations anyway); with expert parallelism every rank must make the same
 # collective calls, so it keeps one pass too.
 MOE_INFERENCE_TOKENS = 1 << 17
+# Training forwards whose Quantile Balancing statistics may wait for `apply_balancing` before a warning says that
+# nothing applies them (they grow by the router logits, [tokens, E] fp32, every forward)
+PENDING_FORWARDS_WARNING = 256
 
 
 class KDAMoESparseMoeBlock(nn.Module):
@@ -745,6 +751,7 @@ class KDAMoESparseMoeBlock(nn.Module):
         self._loads = None  # int64 [E] token counts of the pending window
         self._logits = None  # (router logits [M, E] fp32, real-token mask [M]) of the window (quantile balancing)
         self._input_sum = None  # fp32 [D]: sum of the window's real router inputs (quantile balancing)
+        self._pending_forwards = 0  # forwards in the window (quantile balancing)
         self._weight_dtype = torch.float32  # the router weight's dtype in the training forwards (FSDP may cast it)
 
     def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None):
@@ -806,6 +813,12 @@ class KDAMoESparseMoeBlock(nn.Module):
                 input_sum = input_sum + self._input_sum
             self._logits, self._input_sum = (logits, real), input_sum
             self._weight_dtype = self.router.weight.dtype
+            self._pending_forwards += 1
+            if self._pending_forwards == PENDING_FORWARDS_WARNING:
+                logger.warning_once(
+                    f"kdamoe: {PENDING_FORWARDS_WARNING} training forwards' routing statistics wait for the "
+                    "router-bias update, and they grow every forward: call model.apply_load_balancing() after each "
+                    "optimizer step (HF Trainer, TRL: callbacks=[kdamoe.LoadBalancingCallback()])")
 
     @torch.no_grad()
     def apply_balancing(self) -> dict:
@@ -820,6 +833,7 @@ class KDAMoESparseMoeBlock(nn.Module):
         """The pending statistics `(loads, (logits, real) or None, input_sum or None)`, reset."""
         window = self._loads, self._logits, self._input_sum
         self._loads = self._logits = self._input_sum = None
+        self._pending_forwards = 0
         return window
 
 
