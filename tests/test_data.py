@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kdamoe.data import (CorpusStream, PackedBatches, TokenStream, is_validation, load_corpus, pack_documents, rows_to_batch,
-                         stdlib_dataset, stdlib_root, unigram_entropy, validation_rows)
+                         stdlib_dataset, stdlib_root, tokenize_documents, unigram_entropy, validation_rows)
 from kdamoe.errors import UsageError
 from kdamoe.tokenizer import train_tokenizer
 
@@ -200,6 +200,19 @@ def test_corpus_stream_is_a_function_of_position(small_tokenizer):
     s1, _ = CorpusStream(it, small_tokenizer, seed=3, shuffle_buffer=8).tokens().read(3000)
     s2, _ = CorpusStream(it, small_tokenizer, seed=3, shuffle_buffer=8).tokens(1000).read(2000)
     assert np.array_equal(s1[1000:], s2)
+
+
+def test_tokenize_documents_in_doubling_batches_equals_one_text_at_a_time(small_tokenizer):
+    texts = stdlib_dataset("validation")["text"][:11]
+    sizes = []
+
+    def spy(batch, **kwargs):
+        sizes.append(len(batch))
+        return small_tokenizer(batch, **kwargs)
+
+    ids = list(tokenize_documents(iter(texts), spy, batch_size=4))
+    assert sizes == [1, 2, 4, 4]  # the first document after one text, not after batch_size of them
+    assert ids == [small_tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
 def test_validation_rows(small_tokenizer):

@@ -29,6 +29,7 @@ function of the optimizer step, so a resumed run sees exactly the batches an uni
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import os
@@ -65,9 +66,17 @@ def stdlib_root() -> Path:
 
 
 def stdlib_dataset(split: str = "train", validation_fraction: float = DEFAULT_VALIDATION_FRACTION) -> datasets.Dataset:
-    """The embedded corpus: one row per stdlib `.py` file, columns `text` and `path` (relative), sorted by path."""
+    """The embedded corpus: one row per stdlib `.py` file, columns `text` and `path` (relative), sorted by path.
+
+    Built once per process and split (walking and reading the standard library takes seconds; a training run
+    loads two splits, an evaluation or a floor measurement loads them again)."""
     if split not in SPLITS:
         raise ValueError(f"`split` must be one of {SPLITS}, got {split!r}")
+    return _stdlib_dataset(split, validation_fraction)
+
+
+@functools.lru_cache(maxsize=4)
+def _stdlib_dataset(split: str, validation_fraction: float) -> datasets.Dataset:
     root = stdlib_root()
     paths = sorted(p for p in root.rglob("*.py")
                    if p.is_file() and not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts))
@@ -303,13 +312,14 @@ def pack_documents(documents: Iterable[Sequence[int]], seq_len: int, eos_token_i
 
 
 def tokenize_documents(texts: Iterable[str], tokenizer, batch_size: int = 256) -> Iterator[list[int]]:
-    """Token ids of each text (no special tokens added), tokenised in batches."""
-    batch = []
+    """Token ids of each text (no special tokens added), tokenised in batches that double from one text up to
+    `batch_size` (a reader that needs the first few documents does not wait for `batch_size` of them)."""
+    batch, size = [], 1
     for text in texts:
         batch.append(text)
-        if len(batch) == batch_size:
+        if len(batch) == size:
             yield from tokenizer(batch, add_special_tokens=False)["input_ids"]
-            batch = []
+            batch, size = [], min(2 * size, batch_size)
     if batch:
         yield from tokenizer(batch, add_special_tokens=False)["input_ids"]
 
